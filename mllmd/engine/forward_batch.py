@@ -1,0 +1,47 @@
+"""Inputs of one model step: a mixed batch of prefill chunks and decodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from mllmd.engine.attention.base import AttentionBackend
+    from mllmd.engine.memory import KVPool, ReqToTokenPool
+
+
+@dataclass
+class ForwardBatch:
+    """Row i of the batch computes tokens [prefix_lens[i], seq_lens[i]) of request slot req_pool_indices[i].
+
+    A decode is an extend of length 1. Tokens of all rows are concatenated in row order.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    out_cache_loc: torch.Tensor  # [T] int64 KV slot of each new token
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, tokens with KV after this step
+    extend_lens: torch.Tensor  # [B] int64
+    logits_indices: torch.Tensor  # [N] int64 rows of the hidden states that need logits
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: KVPool
+    attn_backend: AttentionBackend
+    attn_metadata: Any = field(default=None)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.extend_lens_cpu)

@@ -1,0 +1,214 @@
+"""Continuous-batching scheduler: FCFS admission, token budget per step, chunked prefill, preemption.
+
+Each step every running request gets work: a decode (one token) or the next chunk of its prefill;
+waiting requests are admitted in arrival order while the step's token budget, the request limit and
+the KV pool allow. When KV runs out, the newest running request is preempted: its computed KV goes
+to the prefix cache (or is freed), it returns to the head of the queue, and is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from mllmd.engine.prefix_cache import PrefixCache
+from mllmd.engine.request import Req, ReqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: row i computes reqs[i].token_ids[prefix_lens[i] : prefix_lens[i] + extend_lens[i]]."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, rows concatenated
+
+    @property
+    def needs_logits(self) -> list[bool]:
+        return [p + n == len(r.token_ids) for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens)]
+
+
+@dataclass
+class SchedulerStats:
+    prefill_tokens_computed: int = 0
+    decode_tokens_computed: int = 0
+    cached_prompt_tokens: int = 0
+    preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: TokenToKVPoolAllocator,
+        cache: PrefixCache,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int,
+    ) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.cache = cache
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.stats = SchedulerStats()
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        req.status = ReqStatus.WAITING
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, req: Req) -> None:
+        """Drop a waiting or running request and free everything it holds."""
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+            self.release(req)
+        req.status = ReqStatus.FINISHED
+
+    # ---- KV bookkeeping ----------------------------------------------------------------------
+    def _alloc(self, n: int) -> torch.Tensor | None:
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            self.cache.evict(n - self.allocator.available_size())
+            slots = self.allocator.alloc(n)
+        return slots
+
+    def _kv_slots(self, req: Req) -> torch.Tensor:
+        assert req.req_pool_idx is not None
+        return self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+
+    def release(self, req: Req) -> None:
+        """Hand the request's computed KV to the prefix cache (which frees what it does not keep)."""
+        if req.req_pool_idx is None:
+            return
+        value = self._kv_slots(req)
+        n = self.cache.insert(req.token_ids[: req.kv_len], value)
+        self.allocator.free(value[req.prefix_len : n])
+        if req.last_node is not None:
+            self.cache.dec_lock_ref(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
+
+    def _preempt(self, req: Req) -> None:
+        self.running.remove(req)
+        self.release(req)
+        req.status = ReqStatus.WAITING
+        req.num_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, req: Req) -> bool:
+        """Give a waiting request a request slot and its cached prefix; False if no slot is free."""
+        idx = self.req_to_token_pool.alloc()
+        if idx is None:
+            return False
+        match = self.cache.match_prefix(req.token_ids[:-1])
+        n = int(match.indices.numel())
+        self.cache.inc_lock_ref(match.last_node)
+        self.req_to_token_pool.req_to_token[idx, :n] = match.indices
+        req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = idx, match.last_node, n, n
+        if req.cached_tokens < 0:
+            req.cached_tokens = min(n, len(req.prompt_ids))
+            self.stats.cached_prompt_tokens += req.cached_tokens
+        return True
+
+    def _unadmit(self, req: Req) -> None:
+        self.release(req)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        reqs: list[Req] = []
+        lens: list[int] = []
+        slots: list[torch.Tensor] = []
+        budget = self.max_prefill_tokens
+
+        # Running requests, oldest first: decodes always; prefill chunks within the budget.
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            remaining = len(req.token_ids) - req.kv_len
+            n = 1 if remaining == 1 else min(remaining, self._chunk_cap(budget))
+            if n <= 0:
+                i += 1
+                continue
+            got = self._alloc(n)
+            while got is None and self.running[-1] is not req:
+                self._preempt(self.running[-1])
+                got = self._alloc(n)
+            if got is None:
+                if len(self.running) > 1:
+                    self._preempt(req)
+                    break
+                raise RuntimeError("KV cache too small for a single request; admission should have refused it")
+            reqs.append(req)
+            lens.append(n)
+            slots.append(got)
+            budget -= n
+            i += 1
+
+        # Waiting requests, strictly in order, while budget, request slots and KV allow.
+        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            remaining = len(req.token_ids) - req.kv_len
+            n = min(remaining, self._chunk_cap(budget))
+            if self.chunk_size is None and n < remaining and reqs:
+                self._unadmit(req)  # unchunked prompt does not fit this step's budget: next step
+                break
+            if self.chunk_size is None:
+                n = remaining  # a lone unchunked prompt may exceed the budget
+            headroom = len(self.running)  # keep room for the next step's decodes
+            if self.allocator.available_size() + self.cache.evictable_size() < n + headroom:
+                self._unadmit(req)
+                break
+            got = self._alloc(n)
+            if got is None:
+                self._unadmit(req)
+                break
+            self.waiting.popleft()
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            reqs.append(req)
+            lens.append(n)
+            slots.append(got)
+            budget -= n
+
+        if not reqs:
+            return None
+        prefix_lens = [r.kv_len for r in reqs]
+        table = self.req_to_token_pool.req_to_token
+        for req, p, n, s in zip(reqs, prefix_lens, lens, slots):
+            table[req.req_pool_idx, p : p + n] = s
+            if n > 1 or len(req.token_ids) - p > 1:
+                self.stats.prefill_tokens_computed += n
+            else:
+                self.stats.decode_tokens_computed += n
+        return ScheduledBatch(reqs, lens, prefix_lens, torch.cat(slots))
+
+    def _chunk_cap(self, budget: int) -> int:
+        return budget if self.chunk_size is None else min(budget, self.chunk_size)
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Record that the batch's KV has been written."""
+        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            req.kv_len = p + n
+
+    def finish(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self.release(req)
+        req.status = ReqStatus.FINISHED

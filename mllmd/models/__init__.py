@@ -1,0 +1,19 @@
+"""Model registry: Hugging Face architecture name -> model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+
+
+def get_model_class(architectures: list[str] | None) -> Any:
+    """The model class for a config's `architectures`; ValueError naming them when unsupported."""
+    for arch in architectures or []:
+        if arch == "Qwen3ForCausalLM":
+            from mllmd.models.qwen3 import Qwen3ForCausalLM
+
+            return Qwen3ForCausalLM
+    raise ValueError(
+        f"unsupported model architecture {architectures!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+    )

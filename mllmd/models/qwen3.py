@@ -1,0 +1,170 @@
+"""Qwen3 (dense) for causal LM: pre-norm decoder with QK-norm, RoPE, GQA and a SwiGLU MLP.
+
+Hidden states are flat [T, H]: all tokens of the step, every request concatenated. Attention goes
+through the step's attention backend, which reads and writes the paged KV pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mllmd.engine.forward_batch import ForwardBatch
+from mllmd.models.layers import Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=bias, dtype=dtype
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary_emb(positions, q, k)
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        out = batch.attn_backend.forward(q, k, v, self.layer_id, self.scale, batch)  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, dtype=dtype)
+        self.down_proj = Linear(inter, config.hidden_size, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer_id, dtype)
+        self.mlp = Qwen3MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 decoder + lm_head (tied to the embeddings when the config says so)."""
+
+    # checkpoint sub-name -> (fused parameter, shard)
+    stacked_params = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"),
+        "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config, dtype)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [T, H] of every token of the step."""
+        return self.model(input_ids, positions, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, V] for the given rows only (the positions that sample)."""
+        return torch.matmul(hidden, self.lm_head_weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the (fused) parameters; error on missing or unexpected names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            fused = None
+            for sub, (target, shard) in self.stacked_params.items():
+                if f".{sub}." in name:
+                    fused = (name.replace(f".{sub}.", f".{target}."), shard)
+                    break
+            if fused is not None:
+                pname, shard = fused
+                module = self.get_submodule(pname.rsplit(".", 1)[0])
+                assert isinstance(module, MergedLinear)
+                module.load_shard(pname.rsplit(".", 1)[1], shard, tensor)
+                loaded.add(f"{pname}:{shard}")
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        self._check_complete(params, loaded)
+
+    def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for pname in params:
+            module = self.get_submodule(pname.rsplit(".", 1)[0])
+            if isinstance(module, MergedLinear):
+                missing += [f"{pname}:{s}" for s in module.shard_offsets if f"{pname}:{s}" not in loaded]
+            elif pname not in loaded:
+                missing.append(pname)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))

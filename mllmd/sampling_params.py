@@ -1,0 +1,92 @@
+"""Per-request sampling parameters (plain Python: imported by the daemon's main process too)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature 0 means greedy decoding. top_k <= 0 disables top-k. seed None lets the engine draw
+    one; a given seed reproduces the same output for the same prompt whatever else is batched.
+    """
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first invalid field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+
+        def finite(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+            return float(v)
+
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if finite("temperature") < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < finite("top_p") <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            bad("top_k", "must be an integer (<= 0 disables it)")
+        if not 0.0 <= finite("min_p") <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= finite(name) <= 2.0:
+                bad(name, "must be in [-2, 2]")
+        if finite("repetition_penalty") <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            bad("seed", "must be an integer")
+        if isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int):
+            bad("top_logprobs", "must be an integer")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                bad("stop", "must be non-empty strings")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                bad("stop_token_ids", "must be token ids in the vocabulary")
+        if self.logit_bias:
+            for t, b in self.logit_bias.items():
+                if t < 0 or (vocab_size is not None and t >= vocab_size):
+                    bad("logit_bias", f"token id {t} is outside the vocabulary")
+                if not math.isfinite(b) or not -100.0 <= b <= 100.0:
+                    bad("logit_bias", f"bias for token {t} must be in [-100, 100]")
