@@ -1,0 +1,1 @@
+"""The daemon's main process: configuration, supervisor, HTTP server, request manager."""

@@ -1,0 +1,1 @@
+"""OpenAI-compatible API layer: request/response shapes and model-output parsers."""
