@@ -1,0 +1,180 @@
+"""Supervisor: spawns the workers, watches their exits and heartbeats, restarts them with backoff.
+
+A worker that exits, reports a fatal error, or misses heartbeats (a SIGSTOPped process sends none)
+is killed and restarted after an exponential backoff. More than `max_restarts` restarts within
+`restart_window` seconds leaves the daemon `degraded` (HTTP stays up; status says why).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mllmd.workers import ipc
+
+logger = logging.getLogger("mllmd.supervisor")
+
+
+@dataclass
+class WorkerPolicy:
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    max_restarts: int = 5
+    restart_window: float = 300.0
+    ready_timeout: float = 600.0
+
+
+@dataclass
+class WorkerHandle:
+    name: str
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    last_heartbeat: float = 0.0
+    ready: bool = False
+    ready_info: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    restart_times: deque[float] = field(default_factory=deque)
+    next_start: float = 0.0
+    backoff: float = 0.0
+    last_error: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Supervisor:
+    """Owns the worker processes of one loaded model."""
+
+    def __init__(
+        self,
+        ipc_dir: Path,
+        settings: dict[str, Any],
+        policy: WorkerPolicy,
+        on_worker_lost: Callable[[str, str], None],
+    ) -> None:
+        self.ipc_dir = ipc_dir
+        self.policy = policy
+        self.on_worker_lost = on_worker_lost
+        self.settings_path = ipc_dir / "worker-settings.json"
+        self.settings_path.write_text(json.dumps(settings))
+        os.chmod(self.settings_path, 0o600)
+        self.workers = {name: WorkerHandle(name) for name in ipc.WORKERS}
+        self.degraded_reason: str | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start_all(self) -> None:
+        for handle in self.workers.values():
+            self._spawn(handle)
+
+    def _spawn(self, h: WorkerHandle) -> None:
+        argv = [
+            sys.executable, "-m", f"mllmd.workers.{h.name}_worker",
+            "--ipc-dir", str(self.ipc_dir), "--settings", str(self.settings_path),
+        ]
+        h.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=False)
+        h.started_at = h.last_heartbeat = time.monotonic()
+        h.ready = False
+        logger.info("started %s worker (pid %d)", h.name, h.proc.pid)
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        for h in self.workers.values():
+            if h.alive():
+                assert h.proc is not None
+                h.proc.send_signal(signal.SIGCONT)
+                h.proc.terminate()
+        deadline = time.monotonic() + timeout
+        for h in self.workers.values():
+            if h.proc is None:
+                continue
+            try:
+                h.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                h.proc.kill()
+                h.proc.wait()
+
+    @property
+    def all_ready(self) -> bool:
+        return all(h.ready and h.alive() for h in self.workers.values())
+
+    # ---- messages from workers ---------------------------------------------------------------
+    def on_message(self, msg: dict[str, Any]) -> None:
+        h = self.workers.get(msg.get("worker", ""))
+        if h is None or h.pid != msg.get("pid"):
+            return  # a late message from a replaced process
+        now = time.monotonic()
+        kind = msg["type"]
+        if kind == "heartbeat":
+            h.last_heartbeat = now
+        elif kind == "ready":
+            h.ready, h.ready_info, h.last_heartbeat = True, msg, now
+            h.backoff = 0.0
+        elif kind == "fatal":
+            h.last_error = msg.get("message")
+
+    # ---- periodic check ----------------------------------------------------------------------
+    def check(self) -> None:
+        """Detect dead or hung workers, kill and schedule restarts; start due restarts."""
+        now = time.monotonic()
+        for h in self.workers.values():
+            if h.proc is None:
+                if self.degraded_reason is None and now >= h.next_start:
+                    self._spawn(h)
+                continue
+            code = h.proc.poll()
+            limit = self.policy.heartbeat_timeout if h.ready else self.policy.ready_timeout
+            if code is not None:
+                reason = f"{h.name} worker exited with status {code}" + (f": {h.last_error}" if h.last_error else "")
+            elif now - h.last_heartbeat > limit:
+                reason = f"{h.name} worker sent no heartbeat for {now - h.last_heartbeat:.1f} s"
+                h.proc.kill()
+                h.proc.wait()
+            else:
+                continue
+            self._lost(h, reason, now)
+
+    def _lost(self, h: WorkerHandle, reason: str, now: float) -> None:
+        logger.error("%s; restarting", reason)
+        h.proc, h.ready = None, False
+        h.restarts += 1
+        h.restart_times.append(now)
+        while h.restart_times and now - h.restart_times[0] > self.policy.restart_window:
+            h.restart_times.popleft()
+        h.backoff = min(self.policy.backoff_max, max(self.policy.backoff_initial, h.backoff * 2))
+        h.next_start = now + h.backoff
+        if len(h.restart_times) > self.policy.max_restarts:
+            self.degraded_reason = (
+                f"{reason}; {len(h.restart_times)} restarts within {self.policy.restart_window:.0f} s, giving up"
+            )
+            logger.error("degraded: %s", self.degraded_reason)
+        self.on_worker_lost(h.name, reason)
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "name": h.name,
+                "pid": h.pid,
+                "alive": h.alive(),
+                "ready": h.ready,
+                "restarts": h.restarts,
+                "seconds_since_heartbeat": round(now - h.last_heartbeat, 3) if h.proc is not None else None,
+                "last_error": h.last_error,
+            }
+            for h in self.workers.values()
+        ]

@@ -1,0 +1,147 @@
+"""The sampler: one call per engine step on the logits of the rows that need a token.
+
+Processing, on a float32 copy of the logits (the input is never modified):
+
+1. logit bias; repetition penalty (prompt + output tokens); frequency / presence penalties
+   (output tokens) — see penalties.py.
+2. Greedy rows (temperature 0): argmax of those logits (first index on ties); no noise.
+3. Sampled rows: ``z = (logits - max) / T``; top-k, top-p, min-p keep a candidate set (filters.py);
+   the token is the Gumbel-max ``argmax(z + g)`` over the candidates (smallest id on ties), with g
+   from the stateless stream of (seed, output position, token id) (gumbel.py). A seeded row thus
+   samples the same token whatever the batch holds.
+4. Logprobs of the raw logits as given (logprobs.py).
+
+Fast paths: an all-greedy batch without bias or penalties is a bare argmax; penalty tensors exist
+only when some row uses them; noise is drawn only for sampled rows, and for filtered rows only for
+their candidates. On CPU the filters look at a top-256 prefix first (no full sort in the usual
+case); on other devices they sort, which needs no device-to-host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mllmd.engine.sampling.batch_info import SamplingBatchInfo
+from mllmd.engine.sampling.filters import select_candidates
+from mllmd.engine.sampling.gumbel import gumbel, gumbel_noise
+from mllmd.engine.sampling.logprobs import compute_logprobs
+from mllmd.engine.sampling.penalties import (
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_repetition_penalty,
+)
+
+# Sorted prefix examined by the filters before a full sort (CPU); see filters.select_candidates.
+CPU_PREFIX_WIDTH = 256
+
+
+@dataclass
+class SamplerOutput:
+    """Per-row results; top entries have K columns for every row (slice to each request's own)."""
+
+    next_token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, raw logprob of the chosen token
+    top_logprob_ids: torch.Tensor | None  # [B, K] int64, K = max top_logprobs in the batch
+    top_logprobs: torch.Tensor | None  # [B, K] float32, descending
+
+
+def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+    return x if idx is None else x[idx]
+
+
+def _put(x: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor) -> torch.Tensor:
+    """x[idx] = val (idx None: all rows); returns x, or val itself when it replaces all of x."""
+    if idx is None:
+        return val
+    x[idx] = val
+    return x
+
+
+def gumbel_max_candidates(
+    vals: torch.Tensor, ids: torch.Tensor, keep: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """argmax over kept candidates of vals + g(id): vals/ids/keep [N, W], keys [N, 2] -> ids [N].
+
+    Ties go to the smallest vocabulary id, as torch.argmax does on a dense row.
+    """
+    scores = torch.where(keep, vals + gumbel(keys, ids), float("-inf"))  # [N, W]
+    best = scores.max(dim=-1, keepdim=True).values  # [N, 1]
+    big = torch.iinfo(torch.int64).max
+    return torch.where(scores == best, ids, big).min(dim=-1).values
+
+
+def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """float32 logits [B, V] with bias and penalties applied (a copy when anything applies; the input
+    is never modified)."""
+    x = logits.float()
+    if not info.needs_processing:
+        return x  # only read from here on
+    if x is logits:
+        x = x.clone()
+    if info.bias_rows is not None:
+        assert info.bias_cols is not None and info.bias_vals is not None
+        apply_logit_bias(x, info.bias_rows, info.bias_cols, info.bias_vals)
+    if info.rep_rows is not None:
+        assert info.rep_cols is not None and info.rep_penalty is not None
+        apply_repetition_penalty(x, info.rep_rows, info.rep_cols, info.rep_penalty)
+    if info.fp_rows is not None:
+        assert info.fp_cols is not None and info.fp_counts is not None
+        assert info.frequency is not None and info.presence is not None
+        apply_frequency_presence(x, info.fp_rows, info.fp_cols, info.fp_counts, info.frequency, info.presence)
+    return x
+
+
+class Sampler:
+    """Picks the next token of each row; see the module docstring for the exact semantics.
+
+    prefix_width: how many top tokens per row the filters examine before falling back to a full
+    sort (None: 256 on CPU, a full sort elsewhere, which needs no device-to-host sync).
+    """
+
+    def __init__(self, prefix_width: int | None = None) -> None:
+        self.prefix_width = prefix_width
+
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+        """logits [B, V] of any float dtype -> SamplerOutput."""
+        if logits.dim() != 2 or tuple(logits.shape) != (info.batch_size, info.vocab_size):
+            raise ValueError(
+                f"logits must be [{info.batch_size}, {info.vocab_size}], got {tuple(logits.shape)}"
+            )
+        if info.num_sampled == 0 and not info.needs_processing:
+            tokens = logits.argmax(dim=-1)  # [B] fast path: all greedy, nothing to apply
+        else:
+            x = process_logits(logits, info)  # [B, V] float32
+            tokens = torch.empty(info.batch_size, dtype=torch.int64, device=logits.device)
+            if info.num_greedy:
+                tokens = _put(tokens, info.greedy_idx, _take(x, info.greedy_idx).argmax(dim=-1))
+            if info.num_sampled:
+                tokens = _put(tokens, info.sample_idx, self._sample(_take(x, info.sample_idx), info))
+        if not info.want_logprobs:
+            return SamplerOutput(tokens, None, None, None)
+        lp, top_ids, top_lp = compute_logprobs(logits, tokens, info.num_top_logprobs)
+        return SamplerOutput(tokens, lp, top_ids, top_lp)
+
+    def _sample(self, x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Gumbel-max over the sampled rows: x [S, V] float32 -> token ids [S]."""
+        assert info.temperatures is not None and info.keys is not None
+        v = x.shape[1]
+        z = (x - x.max(dim=-1, keepdim=True).values).div_(info.temperatures[:, None])  # [S, V], row max 0
+        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        if info.num_filtered < x.shape[0]:
+            keys = _take(info.keys, info.plain_idx)
+            zp = _take(z, info.plain_idx)
+            out = _put(out, info.plain_idx, (zp + gumbel_noise(keys, v)).argmax(dim=-1))
+        if info.num_filtered:
+            zf = _take(z, info.filter_idx)  # [F, V]
+            keys = _take(info.keys, info.filter_idx)
+            width = self.prefix_width
+            if width is None:
+                width = CPU_PREFIX_WIDTH if x.device.type == "cpu" else v
+            picked = torch.empty(zf.shape[0], dtype=torch.int64, device=x.device)
+            for c in select_candidates(zf, info.top_k, info.top_p, info.min_p, width):
+                tok = gumbel_max_candidates(c.vals, c.ids, c.keep, _take(keys, c.rows))
+                picked = _put(picked, c.rows, tok)
+            out = _put(out, info.filter_idx, picked)
+        return out

@@ -1,0 +1,267 @@
+"""OpenAI chat/completions and native /generate: submit to the workers, stream or collect results.
+
+Items arriving from the detokenizer carry: text (delta), token_ids, finished, finish_reason,
+prompt/completion/cached token counts, logprobs entries and meta (facts from the tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from mllmd.openai import responses as R
+from mllmd.openai.errors import APIError
+from mllmd.openai.reasoning_parser import get_reasoning_parser
+from mllmd.openai.tool_parser import ContentDelta, get_tool_parser
+
+
+@dataclass
+class Choice:
+    """What one choice has accumulated."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    matched_stop: Any = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def raise_if_error(item: dict[str, Any]) -> None:
+    if "error" in item:
+        raise APIError(item.get("status", 500), item["error"], param=item.get("param"),
+                       type="invalid_request_error" if item.get("status", 500) < 500 else "server_error")
+
+
+async def merged(states: list[Any]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """(choice index, item) from every state's queue, in arrival order, until all have finished."""
+    pending = {asyncio.ensure_future(s.queue.get()): i for i, s in enumerate(states)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                i = pending.pop(fut)
+                item = fut.result()
+                yield i, item
+                if not (item.get("finished") or "error" in item):
+                    pending[asyncio.ensure_future(states[i].queue.get())] = i
+    finally:
+        for fut in pending:
+            fut.cancel()
+
+
+def accumulate(choice: Choice, item: dict[str, Any]) -> None:
+    choice.text += item.get("text", "")
+    choice.prompt_tokens = item.get("prompt_tokens", choice.prompt_tokens)
+    choice.completion_tokens = item.get("completion_tokens", choice.completion_tokens)
+    choice.cached_tokens = item.get("cached_tokens", choice.cached_tokens)
+    choice.meta = item.get("meta") or choice.meta
+    if item.get("logprobs"):
+        choice.logprobs += item["logprobs"]
+    if item.get("finished"):
+        choice.finish_reason = item.get("finish_reason") or "stop"
+        choice.matched_stop = item.get("matched_stop")
+
+
+def usage_of(choices: list[Choice]) -> dict[str, Any]:
+    prompt = max((c.prompt_tokens for c in choices), default=0)
+    return R.usage(prompt, sum(c.completion_tokens for c in choices), max((c.cached_tokens for c in choices), default=0))
+
+
+def _token_logprobs(entries: list[dict[str, Any]], top_n: int) -> list[R.TokenLogprob]:
+    return [
+        R.TokenLogprob(
+            token=e["token"], logprob=e["logprob"], raw=bytes(e["bytes"]),
+            top_logprobs=[(t["token"], t["logprob"]) for t in e["top"][:top_n]],
+        )
+        for e in entries
+    ]
+
+
+def _finish(reason: str | None) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+# ---- chat ------------------------------------------------------------------------------------
+@dataclass
+class ChatOptions:
+    model: str
+    reasoning_parser: str | None
+    tool_call_parser: str | None
+
+
+def _split_chat(text: str, meta: dict[str, Any], req: Any, opts: ChatOptions) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    reasoning = None
+    content: str | None = text
+    if opts.reasoning_parser:
+        parser = get_reasoning_parser(opts.reasoning_parser)(starts_in_reasoning=bool(meta.get("starts_in_reasoning")))
+        reasoning, content = parser.extract(text)
+    calls: list[dict[str, Any]] = []
+    if opts.tool_call_parser and req.tools and req.tool_choice != "none" and content:
+        content, tool_calls = get_tool_parser(opts.tool_call_parser)(tools=req.tools).extract(content)
+        calls = [c.to_openai() for c in tool_calls]
+        if calls and not content.strip():
+            content = None
+    return reasoning, content, calls
+
+
+async def chat_full(states: list[Any], req: Any, opts: ChatOptions) -> dict[str, Any]:
+    choices = [Choice() for _ in states]
+    async for i, item in merged(states):
+        raise_if_error(item)
+        accumulate(choices[i], item)
+    out = []
+    for i, c in enumerate(choices):
+        reasoning, content, calls = _split_chat(c.text, c.meta, req, opts)
+        reason = "tool_calls" if calls else _finish(c.finish_reason)
+        lp = R.chat_logprobs(_token_logprobs(c.logprobs, req.top_logprobs)) if req.logprobs else None
+        out.append(R.chat_choice(i, R.chat_message(content, calls or None, reasoning), reason, lp))
+    return R.chat_completion(R.chat_completion_id(), opts.model, R.now(), out, usage_of(choices))
+
+
+async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIterator[bytes]:
+    cid, created, inc = R.chat_completion_id(), R.now(), req.include_usage
+    choices = [Choice() for _ in states]
+    reasoners: list[Any] = [None] * len(states)
+    tools: list[Any] = [None] * len(states)
+    use_tools = bool(opts.tool_call_parser and req.tools and req.tool_choice != "none")
+    for i in range(len(states)):
+        yield R.sse(R.chat_role_chunk(cid, opts.model, created, i, inc))
+    try:
+        async for i, item in merged(states):
+            if "error" in item:
+                yield R.sse({"error": {"message": item["error"], "type": "server_error", "param": None,
+                                       "code": item.get("status", 500)}})
+                return
+            c = choices[i]
+            if reasoners[i] is None and opts.reasoning_parser:
+                meta = item.get("meta") or {}
+                reasoners[i] = get_reasoning_parser(opts.reasoning_parser)(
+                    starts_in_reasoning=bool(meta.get("starts_in_reasoning"))).stream()
+            if tools[i] is None and use_tools:
+                tools[i] = get_tool_parser(opts.tool_call_parser)(tools=req.tools).stream()
+            accumulate(c, item)
+            text = item.get("text", "")
+            final = bool(item.get("finished"))
+            for delta in _chat_deltas(text, final, reasoners[i], tools[i]):
+                yield R.sse(R.chat_chunk(cid, opts.model, created, [R.chat_chunk_choice(i, delta)], include_usage=inc))
+            if req.logprobs and item.get("logprobs"):
+                lp = R.chat_logprobs(_token_logprobs(item["logprobs"], req.top_logprobs))
+                yield R.sse(R.chat_chunk(cid, opts.model, created,
+                                         [R.chat_chunk_choice(i, R.chat_delta(""), None, lp)], include_usage=inc))
+            if final:
+                reason = "tool_calls" if tools[i] is not None and tools[i].tool_calls else _finish(c.finish_reason)
+                yield R.sse(R.chat_finish_chunk(cid, opts.model, created, i, reason, inc))
+        if inc:
+            yield R.sse(R.chat_usage_chunk(cid, opts.model, created, usage_of(choices)))
+        yield R.SSE_DONE
+    except asyncio.CancelledError:
+        raise
+
+
+def _chat_deltas(text: str, final: bool, reasoner: Any, tools: Any) -> list[dict[str, Any]]:
+    """Turn a text delta into chat deltas (reasoning_content / content / tool_calls)."""
+    deltas: list[dict[str, Any]] = []
+    parts: list[tuple[str, str]] = []
+    if reasoner is not None:
+        r, c = reasoner.feed(text) if text else ("", "")
+        if final:
+            r2, c2 = reasoner.flush()
+            r, c = r + r2, c + c2
+        if r:
+            parts.append(("reasoning", r))
+        content = c
+    else:
+        content = text
+    if tools is not None:
+        events = tools.feed(content) if content else []
+        if final:
+            events += tools.flush()
+        for ev in events:
+            if isinstance(ev, ContentDelta):
+                if ev.text:
+                    parts.append(("content", ev.text))
+            else:
+                deltas.append(R.chat_delta(tool_calls=[ev.to_openai()]))
+    elif content:
+        parts.append(("content", content))
+    out = [R.chat_delta(reasoning_content=v) if k == "reasoning" else R.chat_delta(v) for k, v in parts]
+    return out + deltas
+
+
+# ---- completions -----------------------------------------------------------------------------
+async def completion_full(states: list[Any], req: Any, model: str, echo_texts: list[str]) -> dict[str, Any]:
+    choices = [Choice() for _ in states]
+    async for i, item in merged(states):
+        raise_if_error(item)
+        accumulate(choices[i], item)
+    out = []
+    for i, c in enumerate(choices):
+        prefix = echo_texts[i] if req.echo else ""
+        lp = R.completion_logprobs(_token_logprobs(c.logprobs, req.top_logprobs), len(prefix)) if req.logprobs else None
+        out.append(R.completion_choice(i, prefix + c.text, _finish(c.finish_reason), lp))
+    return R.completion(R.completion_id(), model, R.now(), out, usage_of(choices))
+
+
+async def completion_stream(states: list[Any], req: Any, model: str, echo_texts: list[str]) -> AsyncIterator[bytes]:
+    cid, created, inc = R.completion_id(), R.now(), req.include_usage
+    choices = [Choice() for _ in states]
+    if req.echo:
+        for i, t in enumerate(echo_texts):
+            yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, t, None)], include_usage=inc))
+    async for i, item in merged(states):
+        if "error" in item:
+            yield R.sse({"error": {"message": item["error"], "type": "server_error", "param": None, "code": item.get("status", 500)}})
+            return
+        accumulate(choices[i], item)
+        final = bool(item.get("finished"))
+        lp = None
+        if req.logprobs and item.get("logprobs"):
+            lp = R.completion_logprobs(_token_logprobs(item["logprobs"], req.top_logprobs))
+        if item.get("text") or lp or final:
+            reason = _finish(choices[i].finish_reason) if final else None
+            yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, item.get("text", ""), reason, lp)], include_usage=inc))
+    if inc:
+        yield R.sse(R.completion_chunk(cid, model, created, [], usage=usage_of(choices)))
+    yield R.SSE_DONE
+
+
+# ---- native /generate ------------------------------------------------------------------------
+def generate_result(c: Choice, rid: str) -> dict[str, Any]:
+    return {
+        "text": c.text,
+        "meta_info": {
+            "id": rid,
+            "finish_reason": {"type": _finish(c.finish_reason) if c.finish_reason != "abort" else "abort",
+                              "matched": c.matched_stop},
+            "prompt_tokens": c.prompt_tokens,
+            "completion_tokens": c.completion_tokens,
+            "cached_tokens": c.cached_tokens,
+        },
+    }
+
+
+async def generate_full(states: list[Any]) -> list[dict[str, Any]]:
+    choices = [Choice() for _ in states]
+    async for i, item in merged(states):
+        raise_if_error(item)
+        accumulate(choices[i], item)
+    return [generate_result(c, s.rid) for c, s in zip(choices, states)]
+
+
+async def generate_stream(states: list[Any]) -> AsyncIterator[bytes]:
+    choices = [Choice() for _ in states]
+    async for i, item in merged(states):
+        if "error" in item:
+            yield R.sse({"error": {"message": item["error"], "type": "server_error", "param": None, "code": item.get("status", 500)}})
+            return
+        accumulate(choices[i], item)
+        out = generate_result(choices[i], states[i].rid)
+        out["index"] = i
+        yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n".encode()
+    yield R.SSE_DONE

@@ -1,0 +1,1 @@
+"""Worker processes spawned by the supervisor: tokenizer, scheduler (owns the engine), detokenizer."""

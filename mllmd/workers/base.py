@@ -1,0 +1,80 @@
+"""What every worker shares: argument parsing, the link to main, heartbeats, and clean exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from mllmd.workers import ipc
+
+
+class WorkerContext:
+    """A worker's sockets to main, its settings and its heartbeat thread."""
+
+    def __init__(self, name: str, ipc_dir: str, settings: dict[str, Any]) -> None:
+        self.name = name
+        self.ipc_dir = ipc_dir
+        self.settings = settings
+        self.ctx = zmq.Context()
+        self.to_main = ipc.push(self.ctx, ipc_dir, ipc.MAIN)
+        self._main_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def send_main(self, msg: dict[str, Any]) -> None:
+        with self._main_lock:
+            self.to_main.send_pyobj(msg)
+
+    def start_heartbeats(self, interval: float) -> None:
+        """Tell main we are alive every `interval` seconds (a stopped process sends nothing)."""
+
+        def beat() -> None:
+            while not self._stop.wait(interval):
+                self.send_main({"type": "heartbeat", "worker": self.name, "pid": os.getpid(), "time": time.time()})
+
+        threading.Thread(target=beat, name=f"{self.name}-heartbeat", daemon=True).start()
+
+    def ready(self, **info: Any) -> None:
+        self.send_main({"type": "ready", "worker": self.name, "pid": os.getpid(), **info})
+
+    def fatal(self, message: str) -> None:
+        self.send_main({"type": "fatal", "worker": self.name, "pid": os.getpid(), "message": message})
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def worker_main(name: str, body: Callable[[WorkerContext], None]) -> None:
+    """Entry point of a worker process: `python -m mllmd.workers.<name>_worker --ipc-dir D --settings F`."""
+    ap = argparse.ArgumentParser(prog=f"mllmd-{name}")
+    ap.add_argument("--ipc-dir", required=True)
+    ap.add_argument("--settings", required=True, help="JSON file written by the supervisor")
+    args = ap.parse_args()
+    with open(args.settings) as f:
+        settings = json.load(f)
+    logging.basicConfig(
+        level=settings.get("log_level", "INFO"), format=f"%(asctime)s mllmd-{name}[%(process)d] %(levelname)s %(message)s"
+    )
+    wctx = WorkerContext(name, args.ipc_dir, settings)
+    signal.signal(signal.SIGTERM, lambda *_: wctx.stop())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop
+    wctx.start_heartbeats(float(settings.get("heartbeat_interval", 1.0)))
+    try:
+        body(wctx)
+    except Exception as e:  # report, then exit non-zero so the supervisor restarts us
+        logging.getLogger(name).exception("worker failed")
+        wctx.fatal(f"{type(e).__name__}: {e}")
+        time.sleep(0.2)
+        raise SystemExit(1) from e

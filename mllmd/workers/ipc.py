@@ -1,0 +1,39 @@
+"""ZMQ wiring between the main process and the workers (ipc:// sockets in the runtime directory).
+
+Every message is a dict with a "type" key, pickled with send_pyobj (all peers are our own processes).
+    main        PULL  main.sock        <- heartbeats, ready/fatal notices, results, errors
+    tokenizer   PULL  tokenizer.sock   <- generate requests from main
+    scheduler   PULL  scheduler.sock   <- tokenized requests, aborts and control from main
+    detokenizer PULL  detokenizer.sock <- engine outputs from the scheduler
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+MAIN = "main"
+TOKENIZER = "tokenizer"
+SCHEDULER = "scheduler"
+DETOKENIZER = "detokenizer"
+WORKERS = (TOKENIZER, SCHEDULER, DETOKENIZER)
+
+
+def address(ipc_dir: str | os.PathLike[str], name: str) -> str:
+    return f"ipc://{Path(ipc_dir) / (name + '.sock')}"
+
+
+def pull(ctx: zmq.Context[Any], ipc_dir: str | os.PathLike[str], name: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.PULL)
+    sock.bind(address(ipc_dir, name))
+    return sock
+
+
+def push(ctx: zmq.Context[Any], ipc_dir: str | os.PathLike[str], name: str) -> zmq.Socket[Any]:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address(ipc_dir, name))
+    return sock
