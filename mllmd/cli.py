@@ -1,6 +1,7 @@
 """`mllmd`: run the daemon, or check its configuration.
 
     mllmd [run] [--config PATH] [--section.key VALUE ...]
+    mllmd demo [--section.key VALUE ...]     (the built-in demo model: RANDOM weights)
     mllmd check-config [--config PATH] [--section.key VALUE ...]
     mllmd --version
 
@@ -22,9 +23,10 @@ from mllmd.daemon.config import (
     render_effective_yaml,
 )
 
-COMMANDS = ("run", "check-config")
+COMMANDS = ("run", "demo", "check-config")
 USAGE = """\
 usage: mllmd [run] [--config PATH] [--section.key VALUE ...]
+       mllmd demo [--config PATH] [--section.key VALUE ...]
        mllmd check-config [--config PATH] [--section.key VALUE ...]
        mllmd --version"""
 
@@ -38,6 +40,8 @@ def _help() -> str:
 
 commands:
   run            run the daemon (the default)
+  demo           run the daemon on the built-in demo model (tiny, RANDOM weights: meaningless output;
+                 for trying the API); its Unix socket goes to the mllmd cache folder unless set
   check-config   print the effective configuration (secrets hidden) and exit; 2 if it is invalid
 
 options:
@@ -94,6 +98,24 @@ def _run(config: DaemonConfig) -> int:
     return int(run(config) or 0)
 
 
+def demo_overrides(overrides: list[str]) -> list[str]:
+    """Build the demo model (in a subprocess: this process never imports torch); point the config at it."""
+    import subprocess
+
+    from mllmd.testing.tokenizer import cache_dir
+
+    print("mllmd: preparing the built-in demo model (RANDOM weights, meaningless output) ...", file=sys.stderr)
+    done = subprocess.run([sys.executable, "-m", "mllmd.testing.demo"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UsageError(f"could not build the demo model: {done.stderr.strip().splitlines()[-1:]}")
+    path = done.stdout.strip().splitlines()[-1]
+    given = {o.partition("=")[0] for o in overrides if o.startswith("--")}
+    extra = ["--model.path", path]
+    if "--server.unix_socket" not in given:
+        extra += ["--server.unix_socket", str(cache_dir() / "mllmd-demo.sock")]
+    return extra + overrides
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `mllmd` console script; returns the exit status."""
     try:
@@ -104,6 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "version":
             print(f"mllmd {__version__}")
             return 0
+        if command == "demo":
+            overrides = demo_overrides(overrides)
         config = load_config(path, overrides)
     except (UsageError, DaemonConfigError) as e:
         print(f"mllmd: error: {e}", file=sys.stderr)

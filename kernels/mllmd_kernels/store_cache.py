@@ -13,8 +13,8 @@ def store_cache_ref(
     v: torch.Tensor,  # [T, num_kv_heads, head_dim]
 ) -> None:
     """Torch reference: scatter rows of k/v into the caches (casting to the cache dtype)."""
-    k_cache[loc] = k.to(k_cache.dtype)
-    v_cache[loc] = v.to(v_cache.dtype)
+    k_cache.index_copy_(0, loc, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, loc, v.to(v_cache.dtype))
 
 
 def store_cache(

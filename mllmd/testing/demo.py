@@ -89,3 +89,7 @@ def _move_into_place(staging: Path, target: Path) -> None:
     except OSError:
         if not is_current_demo(target):  # lost a race to a different, broken build
             raise
+
+
+if __name__ == "__main__":
+    print(ensure_demo_model())

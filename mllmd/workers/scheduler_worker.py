@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -55,6 +56,10 @@ def run(wctx: WorkerContext) -> None:
     from mllmd.engine.engine import Engine
 
     engine = Engine(EngineConfig(**wctx.settings["engine"]))
+    if os.environ.get("MLLMD_TESTING_SCRIPT"):  # test-only: scripted model output
+        from mllmd.testing.scripted import install_from_env
+
+        install_from_env(engine, wctx.settings["tokenizer_path"])
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     to_detok = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
     info = engine.info

@@ -62,8 +62,10 @@ class TorchAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata
         if isinstance(meta, _DecodeMeta):
             bsz = q.shape[0]
-            kk = k_buf[meta.kv_indices].transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
-            vv = v_buf[meta.kv_indices].transpose(1, 2).to(q.dtype)
+            flat = meta.kv_indices.view(-1)
+            shape = (*meta.kv_indices.shape, num_kv, head_dim)
+            kk = k_buf.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+            vv = v_buf.index_select(0, flat).view(shape).transpose(1, 2).to(q.dtype)
             qq = q.view(bsz, num_kv, group, head_dim)  # [B, Hkv, G, D]
             out = _grouped_attention(qq, kk, vv, meta.mask, scale)  # [B, Hkv, G, D]
             return out.reshape(bsz, num_heads, head_dim)
@@ -72,8 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
         for kv_idx, mask, n in zip(meta.kv_indices, meta.masks, batch.extend_lens_cpu):
             qi = q[start : start + n]  # [E, Hq, D]
             start += n
-            kk = k_buf[kv_idx].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, S, D]
-            vv = v_buf[kv_idx].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            kk = k_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, S, D]
+            vv = v_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0).to(q.dtype)
             # [E, Hkv, G, D] -> [1, Hkv, G, E, D]: each kv head sees its G query heads for all E tokens.
             qq = qi.view(n, num_kv, group, head_dim).permute(1, 2, 0, 3).unsqueeze(0)
             scores_mask = mask.unsqueeze(2)  # [1, 1, 1, E, S]
