@@ -1,0 +1,243 @@
+"""`mllmctl`: operate a running mllmd over its admin API (Unix socket by default, or TCP).
+
+    mllmctl [--socket PATH | --url URL] [--admin-key KEY] [--config PATH] COMMAND
+    commands: status [--json] | models [--json] | load-model PATH|NAME [--wait] | unload-model
+              | drain | flush-cache | reload
+
+Exit status: 0 done; 1 the daemon refused the operation; 2 bad usage or the daemon is unreachable.
+Standard library only (it runs where torch is absent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+DEFAULT_TIMEOUT = 30.0
+
+
+class Unreachable(Exception):
+    """The daemon cannot be reached (exit status 2)."""
+
+
+class Refused(Exception):
+    """The daemon answered with an error (exit status 1)."""
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class Client:
+    """A tiny JSON-over-HTTP client for the admin routes."""
+
+    def __init__(self, socket_path: str | None, url: str | None, admin_key: str | None, timeout: float) -> None:
+        self.socket_path, self.url, self.admin_key, self.timeout = socket_path, url, admin_key, timeout
+
+    def _conn(self) -> http.client.HTTPConnection:
+        if self.url:
+            u = urlsplit(self.url)
+            cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+            return cls(u.hostname or "127.0.0.1", u.port, timeout=self.timeout)
+        assert self.socket_path
+        return _UnixConnection(self.socket_path, self.timeout)
+
+    def where(self) -> str:
+        return self.url or f"unix:{self.socket_path}"
+
+    def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if self.admin_key:
+            headers["Authorization"] = f"Bearer {self.admin_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        conn = self._conn()
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+        except PermissionError as e:
+            raise Unreachable(f"permission denied on {self.where()} (are you in group mllmd?): {e}") from None
+        except FileNotFoundError:
+            raise Unreachable(f"no daemon socket at {self.socket_path} (is mllmd running?)") from None
+        except (TimeoutError, ConnectionError, OSError) as e:
+            raise Unreachable(f"cannot reach mllmd at {self.where()}: {e}") from None
+        finally:
+            conn.close()
+        try:
+            payload = json.loads(raw) if raw else {}
+        except ValueError:
+            payload = {"error": {"message": raw.decode(errors="replace")[:200]}}
+        if resp.status >= 400:
+            err = payload.get("error") if isinstance(payload, dict) else None
+            msg = err.get("message") if isinstance(err, dict) else str(payload)
+            if resp.status in (401, 403):
+                raise Unreachable(f"not authorised on {self.where()}: {msg}")
+            raise Refused(f"{msg} (HTTP {resp.status})")
+        return payload
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def render_status(s: dict[str, Any]) -> str:
+    lines = [f"state:    {s.get('state')}" + (f" ({s['reason']})" if s.get("reason") else "")]
+    m = s.get("model")
+    if m:
+        lines.append(f"model:    {m.get('served_name')}  [{m.get('architecture')}, {m.get('dtype')}, "
+                     f"quantization {m.get('quantization') or 'none'}]")
+        lines.append(f"path:     {m.get('path')}")
+    else:
+        lines.append("model:    none")
+    load = s.get("load") or {}
+    if load.get("in_progress") or load.get("error"):
+        lines.append(f"loading:  {load.get('path')} {100 * (load.get('progress') or 0):.0f}% {load.get('stage') or ''}"
+                     + (f"  error: {load['error']}" if load.get("error") else ""))
+    req = s.get("requests") or {}
+    lines.append(f"requests: {req.get('running', 0)} running, {req.get('waiting', 0)} waiting")
+    kv = s.get("kv_cache") or {}
+    if kv:
+        lines.append(f"kv cache: {100 * (kv.get('usage_ratio') or 0):.1f}% used of {kv.get('total_tokens')} tokens")
+    mem = s.get("memory") or {}
+    if mem:
+        lines.append(f"memory:   {_fmt_bytes(mem.get('used_bytes'))} used of {_fmt_bytes(mem.get('total_bytes'))}")
+    lines.append(f"version:  {s.get('version')}   uptime {s.get('uptime_seconds', 0):.0f} s")
+    for w in s.get("workers") or []:
+        hb = w.get("seconds_since_heartbeat")
+        lines.append(f"worker:   {w['name']:<12} pid {w.get('pid') or '-':<8} restarts {w.get('restarts', 0)}"
+                     f"  heartbeat {'-' if hb is None else f'{hb:.1f} s ago'}")
+    return "\n".join(lines)
+
+
+def render_models(r: dict[str, Any]) -> str:
+    rows = r.get("models") or []
+    if not rows:
+        return f"no models found under {', '.join(r.get('models_dirs') or [])}"
+    out = [f"{'NAME':<32} {'ARCHITECTURE':<28} {'PARAMS':>10} {'DTYPE':<10} {'QUANT':<8} {'SIZE':>10}"]
+    for m in rows:
+        params = m.get("parameters")
+        out.append(f"{m['name']:<32} {m.get('architecture') or '?':<28} "
+                   f"{(f'{params / 1e9:.2f}B' if params else '?'):>10} {m.get('dtype') or '?':<10} "
+                   f"{m.get('quantization') or '-':<8} {_fmt_bytes(m.get('size_bytes')):>10}")
+    return "\n".join(out)
+
+
+def _progress(client: Client, timeout: float) -> dict[str, Any]:
+    """Poll status until the load ends; draw a progress bar on a terminal."""
+    deadline = time.monotonic() + timeout
+    tty = sys.stderr.isatty()
+    while True:
+        s = client.call("GET", "/admin/status")
+        load = s.get("load") or {}
+        frac = float(load.get("progress") or 0.0)
+        if tty:
+            bar = "#" * int(30 * frac)
+            print(f"\rloading [{bar:<30}] {100 * frac:3.0f}% {load.get('stage') or ''}   ", end="", file=sys.stderr)
+        if not load.get("in_progress"):
+            if tty:
+                print(file=sys.stderr)
+            if load.get("error"):
+                raise Refused(f"load failed: {load['error']}")
+            return s
+        if time.monotonic() > deadline:
+            raise Refused(f"load still running after {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _default_socket(config_path: str | None) -> str:
+    from mllmd.daemon.config import load_config
+
+    cfg = load_config(config_path)
+    if not cfg.server.unix_socket:
+        raise Unreachable("server.unix_socket is disabled in the configuration; use --url and --admin-key")
+    return cfg.server.unix_socket
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="mllmctl", description="Operate a running mllmd.")
+    ap.add_argument("--socket", help="daemon Unix socket (default: server.unix_socket from the config)")
+    ap.add_argument("--url", help="daemon base URL over TCP, e.g. http://127.0.0.1:30000 (needs --admin-key)")
+    ap.add_argument("--admin-key", default=os.environ.get("MLLMD_ADMIN_KEY"), help="admin API key for --url")
+    ap.add_argument("--config", help="mllmd configuration file (to find the socket)")
+    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name in ("status", "models"):
+        p = sub.add_parser(name)
+        p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p = sub.add_parser("load-model", help="load (or hot-swap to) a model folder or a name under models_dir")
+    p.add_argument("model")
+    p.add_argument("--wait", action="store_true", help="wait until loaded, with a progress bar")
+    p.add_argument("--wait-timeout", type=float, default=3600.0)
+    for name in ("unload-model", "drain", "flush-cache", "reload"):
+        sub.add_parser(name)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = build_parser()
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:  # argparse exits 2 on usage errors, 0 on --help
+        return int(e.code or 0)
+    try:
+        sock = None if args.url else (args.socket or _default_socket(args.config))
+        client = Client(sock, args.url, args.admin_key, args.timeout)
+        cmd = args.command
+        if cmd == "status":
+            s = client.call("GET", "/admin/status")
+            print(json.dumps(s, indent=2) if args.json else render_status(s))
+        elif cmd == "models":
+            r = client.call("GET", "/admin/models")
+            print(json.dumps(r, indent=2) if args.json else render_models(r))
+        elif cmd == "load-model":
+            r = client.call("POST", "/admin/models/load", {"model": args.model})
+            if args.wait:
+                s = _progress(client, args.wait_timeout)
+                print(f"loaded {(s.get('model') or {}).get('served_name')}")
+            else:
+                print(r.get("message") or "loading")
+        elif cmd == "unload-model":
+            print(client.call("POST", "/admin/models/unload").get("message") or "unloaded")
+        elif cmd == "drain":
+            print(client.call("POST", "/admin/drain").get("message") or "draining")
+        elif cmd == "flush-cache":
+            r = client.call("POST", "/admin/flush-cache")
+            print(r.get("message") or "flushed")
+        elif cmd == "reload":
+            r = client.call("POST", "/admin/reload")
+            print(r.get("message") or "reloaded")
+        return 0
+    except Refused as e:
+        print(f"mllmctl: refused: {e}", file=sys.stderr)
+        return 1
+    except Unreachable as e:
+        print(f"mllmctl: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bad config file and the like
+        print(f"mllmctl: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

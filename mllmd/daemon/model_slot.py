@@ -1,0 +1,139 @@
+"""ModelSlot: one loaded (or loading) model — its workers, their ZMQ sockets and its requests in flight.
+
+A hot swap runs two slots side by side: the new one loads while the old one serves; requests stay
+on the slot they were submitted to, so each request's output comes wholly from one model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq.asyncio
+
+from mllmd.config import EngineConfig
+from mllmd.daemon.models import ModelFacts
+from mllmd.daemon.request_manager import RequestManager
+from mllmd.daemon.supervisor import Supervisor, WorkerPolicy
+from mllmd.workers import ipc
+
+logger = logging.getLogger("mllmd.slot")
+
+# Share of a load that each worker's readiness stands for (the scheduler loads the weights).
+_LOAD_WEIGHT = {ipc.TOKENIZER: 0.1, ipc.DETOKENIZER: 0.1, ipc.SCHEDULER: 0.8}
+
+
+def make_ipc_dir() -> Path:
+    """A private folder for the slot's ipc:// sockets: under $RUNTIME_DIRECTORY, else in /tmp."""
+    base = os.environ.get("RUNTIME_DIRECTORY")
+    if base:
+        root = Path(base.split(":")[0])
+        root.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="ipc-", dir=root))
+    return Path(tempfile.mkdtemp(prefix="mllmd-"))
+
+
+class ModelSlot:
+    def __init__(
+        self,
+        engine: EngineConfig,
+        facts: ModelFacts,
+        served_name: str,
+        policy: WorkerPolicy,
+        log_level: str,
+        zctx: zmq.asyncio.Context,
+        on_message: Callable[[ModelSlot, dict[str, Any]], None],
+        on_lost: Callable[[ModelSlot, str, str], None],
+    ) -> None:
+        self.engine = engine
+        self.facts = facts
+        self.served_name = served_name
+        self.ipc_dir = make_ipc_dir()
+        self.inbox = ipc.pull(zctx, self.ipc_dir, ipc.MAIN)  # type: ignore[arg-type]
+        self.rm = RequestManager(zctx, str(self.ipc_dir))
+        settings = {
+            "engine": dataclasses.asdict(engine),
+            "tokenizer_path": engine.tokenizer_path or engine.model_path,
+            "heartbeat_interval": policy.heartbeat_interval,
+            "log_level": log_level,
+        }
+        self.supervisor = Supervisor(self.ipc_dir, settings, policy, lambda w, r: on_lost(self, w, r))
+        self._on_message = on_message
+        self.engine_stats: dict[str, Any] = {}
+        self.load_started = time.monotonic()
+        self.load_seconds: float | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.supervisor.start_all()
+        self._task = asyncio.create_task(self._recv_loop())
+
+    async def stop(self) -> None:
+        """Stop the workers and free the sockets (requests still in flight fail)."""
+        self.rm.fail_all("the model was unloaded", status=503)
+        await asyncio.get_running_loop().run_in_executor(None, self.supervisor.stop_all)
+        if self._task is not None:
+            self._task.cancel()
+        self.inbox.close(linger=0)
+        self.rm.close()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+    async def drain_and_stop(self, timeout: float) -> None:
+        """Let in-flight requests finish (up to `timeout` s), then stop."""
+        deadline = time.monotonic() + timeout
+        while self.rm.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self.stop()
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.supervisor.all_ready and self.supervisor.degraded_reason is None
+
+    @property
+    def progress(self) -> float:
+        return sum(_LOAD_WEIGHT[h.name] for h in self.supervisor.workers.values() if h.ready)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """What the scheduler worker reported when it became ready (dtype, device, ...)."""
+        return self.supervisor.workers[ipc.SCHEDULER].ready_info
+
+    def describe(self) -> dict[str, Any]:
+        info = self.info
+        return {
+            "path": self.engine.model_path,
+            "served_name": self.served_name,
+            "architecture": info.get("architecture") or self.facts.architecture,
+            "dtype": info.get("dtype") or self.facts.dtype,
+            "quantization": self.facts.quantization,
+            "device": info.get("device"),
+            "context_length": info.get("context_length"),
+            "kv_cache_tokens": info.get("max_total_tokens"),
+            "load_seconds": self.load_seconds,
+        }
+
+    # ---- messages ----------------------------------------------------------------------------
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.inbox.recv_pyobj()
+            kind = msg.get("type")
+            if kind in ("heartbeat", "ready", "fatal"):
+                self.supervisor.on_message(msg)
+                if kind == "ready" and self.ready and self.load_seconds is None:
+                    self.load_seconds = time.monotonic() - self.load_started
+            elif kind == "stats":
+                self.engine_stats = msg
+            elif kind in ("outputs", "error"):
+                for rid in self.rm.deliver(msg):
+                    await self.rm.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
+            self._on_message(self, msg)

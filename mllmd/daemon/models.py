@@ -1,0 +1,205 @@
+"""Model folders: discovery under the models dirs, and validation before a load (main process, no torch).
+
+Validation reads only config.json and the safetensors headers, so a bad folder is refused with a
+message that says what is wrong before any worker starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mllmd.models import SUPPORTED_ARCHITECTURES
+
+INDEX_NAME = "model.safetensors.index.json"
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+MIN_KV_TOKENS = 2048
+
+
+class ModelError(ValueError):
+    """A model folder cannot be loaded; the message says which check failed."""
+
+
+@dataclass
+class ModelFacts:
+    name: str
+    path: str
+    architecture: str | None
+    parameters: int | None
+    dtype: str | None
+    quantization: str | None
+    size_bytes: int
+    weight_bytes: int
+    kv_bytes_per_token: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (names, dtypes, shapes)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ModelError(f"weights file {path.name} is truncated")
+            (n,) = struct.unpack("<Q", raw)
+            if n <= 0 or n > 100 * 1024 * 1024:
+                raise ModelError(f"weights file {path.name} is corrupt (header length {n})")
+            header = json.loads(f.read(n))
+        size = path.stat().st_size
+    except OSError as e:
+        raise ModelError(f"cannot read weights file {path.name}: {e.strerror or e}") from None
+    except ValueError:
+        raise ModelError(f"weights file {path.name} is corrupt (its header is not valid JSON)") from None
+    end = 8 + n
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not offsets or end + offsets[1] > size:
+            raise ModelError(f"weights file {path.name} is truncated or corrupt (tensor {name!r} lies past its end)")
+    return header
+
+
+def quantization_of(config: dict[str, Any]) -> str | None:
+    """"w8a8" / "w4a16" for compressed-tensors checkpoints, the method name for others, None if none."""
+    q = config.get("quantization_config")
+    if not isinstance(q, dict):
+        return None
+    if q.get("quant_method") != "compressed-tensors":
+        return str(q.get("quant_method") or "unknown")
+    fmt = q.get("format")
+    if fmt == "pack-quantized":
+        return "w4a16"
+    if fmt == "int-quantized":
+        return "w8a8"
+    return f"compressed-tensors:{fmt}"
+
+
+def weight_files(root: Path) -> list[Path]:
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError):
+            raise ModelError(f"{INDEX_NAME} is not a valid safetensors index") from None
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            raise ModelError(f"weights are incomplete: {INDEX_NAME} names missing files {', '.join(missing)}")
+        return [root / n for n in names]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no weights: {root} has no *.safetensors files")
+    return files
+
+
+def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
+    """Read config.json and the weight headers; ModelError says what is missing or wrong."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelError(f"{root} is not a folder")
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{root} has no config.json") from None
+    except (OSError, ValueError) as e:
+        raise ModelError(f"config.json is unreadable: {e}") from None
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    files = weight_files(root)
+    params = weight_bytes = 0
+    dtypes: dict[str, int] = {}
+    index = root / INDEX_NAME
+    expected = set(json.loads(index.read_text())["weight_map"]) if index.is_file() else None
+    seen: set[str] = set()
+    for f in files:
+        for name, meta in _read_header(f).items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for d in meta["shape"]:
+                count *= d
+            params += count
+            nbytes = count * _DTYPE_BYTES.get(meta["dtype"], 1)
+            weight_bytes += nbytes
+            dtypes[meta["dtype"]] = dtypes.get(meta["dtype"], 0) + nbytes
+            seen.add(name)
+    if expected is not None and expected - seen:
+        missing = sorted(expected - seen)
+        raise ModelError(f"weights are inconsistent: the index lists tensors no file holds: {', '.join(missing[:5])}")
+    text = config.get("text_config") or config
+    kv_per_token = None
+    try:
+        head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+        kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 2
+    except (KeyError, TypeError, ZeroDivisionError):
+        pass
+    dtype = config.get("torch_dtype") or config.get("dtype") or (max(dtypes, key=dtypes.get).lower() if dtypes else None)
+    size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token)
+
+
+def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every model folder (one holding config.json) directly under the models dirs."""
+    out = []
+    for d in models_dirs:
+        base = Path(d)
+        if not base.is_dir():
+            continue
+        for sub in sorted(base.iterdir()):
+            if not (sub / "config.json").is_file():
+                continue
+            try:
+                out.append(inspect_model(sub).to_dict() | {"error": None})
+            except ModelError as e:
+                out.append({"name": sub.name, "path": str(sub), "error": str(e)})
+    return out
+
+
+def resolve_in_models_dirs(ref: str, models_dirs: list[str] | tuple[str, ...]) -> Path:
+    """A path or a bare folder name, which must resolve (symlinks followed) inside a models dir."""
+    candidates = [Path(ref)] if os.sep in ref or ref.startswith(".") else [Path(d) / ref for d in models_dirs]
+    allowed = [Path(d).resolve() for d in models_dirs]
+    for c in candidates:
+        real = c.resolve()
+        if not any(real == a or a in real.parents for a in allowed):
+            raise ModelError(f"{ref} is outside the allowed models dirs ({', '.join(map(str, models_dirs))})")
+        if real.is_dir():
+            return real
+    raise ModelError(f"no model folder {ref!r} under {', '.join(map(str, models_dirs))}")
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_loadable(facts: ModelFacts, budget_bytes: int | None = None) -> None:
+    """Refuse a model we cannot run: unsupported architecture, missing ML stack, too big for memory."""
+    if facts.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {facts.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    for module in ("torch", "transformers", "safetensors"):
+        if importlib.util.find_spec(module) is None:
+            raise ModelError(f"the ML stack is not installed: Python module {module!r} is missing "
+                             "(install PyTorch for this device; see the README)")
+    budget = budget_bytes if budget_bytes is not None else _mem_available()
+    if budget is not None:
+        need = facts.weight_bytes + (facts.kv_bytes_per_token or 0) * MIN_KV_TOKENS
+        if need > budget:
+            raise ModelError(f"the model needs about {need / 2**30:.1f} GiB (weights + {MIN_KV_TOKENS} tokens of KV) "
+                             f"but only {budget / 2**30:.1f} GiB is available")
