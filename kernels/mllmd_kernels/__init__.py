@@ -1,5 +1,40 @@
-"""mllmd's kernel library: each kernel sits beside its torch reference (used on CPU and in tests)."""
+"""mllmd's kernel library: each kernel sits beside its torch reference (used on CPU and in tests).
 
-from mllmd_kernels.store_cache import store_cache, store_cache_ref
+Every module imports without Triton (the references and `store_cache` keep working on CPU);
+the Triton wrappers need `triton_available()` (CUDA + Triton), or TRITON_INTERPRET=1 with CPU
+tensors for development.
+"""
 
-__all__ = ["store_cache", "store_cache_ref"]
+from mllmd_kernels._triton import HAS_TRITON, interpreting, triton_available, triton_runnable
+from mllmd_kernels.activation import silu_and_mul, silu_and_mul_ref
+from mllmd_kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
+from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
+from mllmd_kernels.gemv import GemvConfig, gemv, gemv_ref, pick_gemv_config
+from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from mllmd_kernels.rope import rope, rope_ref
+from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
+
+__all__ = [
+    "HAS_TRITON",
+    "GemvConfig",
+    "decode_attention",
+    "decode_attention_ref",
+    "decode_num_splits",
+    "extend_attention",
+    "extend_attention_ref",
+    "gemv",
+    "gemv_ref",
+    "interpreting",
+    "pick_gemv_config",
+    "rmsnorm",
+    "rmsnorm_ref",
+    "rope",
+    "rope_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_cache",
+    "store_cache_ref",
+    "store_cache_triton",
+    "triton_available",
+    "triton_runnable",
+]

@@ -1,0 +1,112 @@
+"""rmsnorm: RMSNorm with an optional fused residual add, Hugging Face Qwen3 numerics.
+
+Numerics (as mllmd/models/layers/norm.py): with a residual, s = x + residual rounded to x's dtype
+(also returned as the new residual); then xf = float32(s); y = xf * rsqrt(mean(xf^2) + eps),
+rounded to x's dtype, then multiplied by the weight (rounded to the output dtype).
+One program per row; rows are the flattened leading dimensions (so q/k-norm over heads works too).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mllmd_kernels._triton import next_pow2, tl, triton
+
+
+def rmsnorm_ref(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H]
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: norm(x), or (norm(x + residual), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    in_dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * xf.to(in_dtype)
+    return out if residual is None else (out, x)
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,  # [R, H]
+    res_ptr,  # [R, H] (HAS_RESIDUAL)
+    w_ptr,  # [H]
+    out_ptr,  # [R, H]
+    res_out_ptr,  # [R, H] (HAS_RESIDUAL)
+    H,
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < H
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(res_out_ptr.dtype.element_ty)  # rounded like torch's x + residual
+        tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / H
+    y = x * tl.rsqrt(var + eps)
+    # HF rounds to the (summed) input dtype before multiplying by the weight.
+    if HAS_RESIDUAL:
+        y = y.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """View as [R, H] with a unit last stride (copies only if that is impossible)."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, t.shape[-1])
+    except RuntimeError:
+        return t.reshape(-1, t.shape[-1])
+
+
+def rmsnorm(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H]
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton RMSNorm; with `residual` returns (norm(x + residual), x + residual) like rmsnorm_ref.
+
+    `out` / `residual_out` may alias `x` / `residual` (each row is read before it is written).
+    """
+    h = x.shape[-1]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    x2 = _rows(x)
+    o2 = out.view(-1, h)
+    rows = x2.shape[0]
+    if residual is not None:
+        res_dtype = torch.promote_types(x.dtype, residual.dtype)
+        if residual_out is None:
+            residual_out = torch.empty(x.shape, dtype=res_dtype, device=x.device)
+        r2, ro2 = _rows(residual), residual_out.view(-1, h)
+    else:
+        r2 = ro2 = x2
+    if rows == 0:
+        return out if residual is None else (out, residual_out)
+    block = next_pow2(h)
+    num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
+    _rmsnorm_kernel[(rows,)](
+        x2, r2, weight, o2, ro2, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=num_warps,
+    )
+    return out if residual is None else (out, residual_out)

@@ -1,0 +1,163 @@
+"""rope: rotary embedding ("rotate_half" layout, as mllmd/models/layers/rotary.py), optionally fused
+with Qwen3's per-head QK RMSNorm (as mllmd/models/layers/norm.py applied over head_dim).
+
+One program per (token, block of up to 8 heads of q or of k): it reads each head's row once,
+normalises it (if norm weights are given) and rotates it, rounding at the same points as the torch modules so that bf16/fp16 results
+match them (up to fp32 rounding of the norm statistics).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mllmd_kernels._triton import next_pow2, tl, triton
+from mllmd_kernels.rmsnorm import rmsnorm_ref
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_ref(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_cache: torch.Tensor,  # [P, D] fp32
+    sin_cache: torch.Tensor,  # [P, D] fp32
+    q_norm_weight: torch.Tensor | None = None,  # [D]
+    k_norm_weight: torch.Tensor | None = None,  # [D]
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: optional per-head RMSNorm of q and k, then RoPE at `positions`."""
+    if q_norm_weight is not None:
+        q = rmsnorm_ref(q, q_norm_weight, eps)  # type: ignore[assignment]
+    if k_norm_weight is not None:
+        k = rmsnorm_ref(k, k_norm_weight, eps)  # type: ignore[assignment]
+    cos = cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+    sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@triton.jit
+def _rope_kernel(
+    pos_ptr,  # [T] int64
+    q_ptr,  # [T, Hq, D]
+    k_ptr,  # [T, Hkv, D]
+    q_out_ptr,  # [T, Hq, D]
+    k_out_ptr,  # [T, Hkv, D]
+    cos_ptr,  # [P, D] fp32
+    sin_ptr,  # [P, D] fp32
+    qw_ptr,  # [D] (HAS_NORM)
+    kw_ptr,  # [D] (HAS_NORM)
+    Hq,
+    Hkv,
+    HALF,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
+    stride_cos,
+    stride_sin,
+    eps,
+    HAS_NORM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)  # head block: the first cdiv(Hq, BLOCK_HEADS) blocks are q heads, the rest k heads
+    q_blocks = tl.cdiv(Hq, BLOCK_HEADS)
+    if j < q_blocks:
+        h0 = j * BLOCK_HEADS
+        num_heads = Hq
+        src = q_ptr + t * stride_qt
+        src_h = stride_qh
+        dst = q_out_ptr + t * stride_qot
+        dst_h = stride_qoh
+        w_ptr = qw_ptr
+    else:
+        h0 = (j - q_blocks) * BLOCK_HEADS
+        num_heads = Hkv
+        src = k_ptr + t * stride_kt
+        src_h = stride_kh
+        dst = k_out_ptr + t * stride_kot
+        dst_h = stride_koh
+        w_ptr = kw_ptr
+    heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
+    offs = tl.arange(0, BLOCK)  # [BLOCK] within one half of head_dim
+    mask_d = offs < HALF
+    mask = (heads < num_heads)[:, None] & mask_d[None, :]  # [BLOCK_HEADS, BLOCK]
+    src_ptrs = src + heads[:, None] * src_h + offs[None, :]
+    dst_ptrs = dst + heads[:, None] * dst_h + offs[None, :]
+    x1 = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)  # first halves
+    x2 = tl.load(src_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)  # second halves
+    if HAS_NORM:
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)  # [BLOCK_HEADS]
+        rstd = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        x1 = (x1 * rstd).to(src.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd).to(src.dtype.element_ty).to(tl.float32)
+        x1 = (w1 * x1).to(dst.dtype.element_ty).to(tl.float32)
+        x2 = (w2 * x2).to(dst.dtype.element_ty).to(tl.float32)
+    pos = tl.load(pos_ptr + t)
+    c1 = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask_d, other=0.0)
+    c2 = tl.load(cos_ptr + pos * stride_cos + HALF + offs, mask=mask_d, other=0.0)
+    s1 = tl.load(sin_ptr + pos * stride_sin + offs, mask=mask_d, other=0.0)
+    s2 = tl.load(sin_ptr + pos * stride_sin + HALF + offs, mask=mask_d, other=0.0)
+    c1 = c1.to(dst.dtype.element_ty).to(tl.float32)[None, :]  # the torch module casts cos/sin first
+    c2 = c2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+    s1 = s1.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+    s2 = s2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+    # Round each product to the data type, as torch's q * cos + rotate_half(q) * sin does.
+    a1 = (x1 * c1).to(dst.dtype.element_ty).to(tl.float32)
+    b1 = (-x2 * s1).to(dst.dtype.element_ty).to(tl.float32)
+    a2 = (x2 * c2).to(dst.dtype.element_ty).to(tl.float32)
+    b2 = (x1 * s2).to(dst.dtype.element_ty).to(tl.float32)
+    tl.store(dst_ptrs, (a1 + b1).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst_ptrs + HALF, (a2 + b2).to(dst.dtype.element_ty), mask=mask)
+
+
+def rope(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D] (any token stride, e.g. a view into a fused qkv output)
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_cache: torch.Tensor,  # [P, D] fp32
+    sin_cache: torch.Tensor,  # [P, D] fp32
+    q_norm_weight: torch.Tensor | None = None,  # [D]
+    k_norm_weight: torch.Tensor | None = None,  # [D]
+    eps: float = 1e-6,
+    q_out: torch.Tensor | None = None,  # [T, Hq, D]; may be q itself (in place)
+    k_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton RoPE (+ QK-norm when both norm weights are given); same results as rope_ref."""
+    assert (q_norm_weight is None) == (k_norm_weight is None), "give both QK-norm weights or neither"
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    assert d % 2 == 0 and k.shape[2] == d and q.stride(2) == 1 and k.stride(2) == 1
+    has_norm = q_norm_weight is not None
+    out_dtype = torch.promote_types(q.dtype, q_norm_weight.dtype) if has_norm else q.dtype  # type: ignore[union-attr]
+    if q_out is None:
+        q_out = torch.empty((t, hq, d), dtype=out_dtype, device=q.device)
+    if k_out is None:
+        k_out = torch.empty((t, hkv, d), dtype=out_dtype, device=k.device)
+    if t == 0:
+        return q_out, k_out
+    qw = q_norm_weight if has_norm else cos_cache
+    kw = k_norm_weight if has_norm else cos_cache
+    half = d // 2
+    block = next_pow2(half)
+    block_heads = min(next_pow2(max(hq, hkv)), max(1, 512 // block))
+    grid = (t, triton.cdiv(hq, block_heads) + triton.cdiv(hkv, block_heads))
+    _rope_kernel[grid](
+        positions, q, k, q_out, k_out, cos_cache, sin_cache, qw, kw, hq, hkv, half,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        cos_cache.stride(0), sin_cache.stride(0), eps,
+        HAS_NORM=has_norm, BLOCK_HEADS=block_heads, BLOCK=block, num_warps=4 if block_heads * block >= 512 else 1,
+    )
+    return q_out, k_out

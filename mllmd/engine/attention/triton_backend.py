@@ -1,0 +1,64 @@
+"""Triton attention backend: paged decode (split-KV) and extend (prefill with cached prefix) kernels.
+
+Per-step metadata is built on the device from the batch's tensors (no host synchronisation); the
+only host values used are the batch size and max(extend_lens_cpu), which the scheduler already knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from mllmd_kernels import decode_attention, decode_num_splits, extend_attention
+from mllmd_kernels._triton import sm_count_for
+
+from mllmd.engine.attention.base import AttentionBackend
+from mllmd.engine.forward_batch import ForwardBatch
+
+
+@dataclass
+class _DecodeMeta:
+    num_splits: int
+    mid_o: torch.Tensor | None = None  # [B, Hq, splits, D] fp32, allocated by the first layer, reused
+    mid_lse: torch.Tensor | None = None  # [B, Hq, splits] fp32
+
+
+@dataclass
+class _ExtendMeta:
+    qo_start: torch.Tensor  # [B] int64 first query row of each batch row
+    max_extend_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.is_decode:
+            kv_heads = batch.kv_pool.k_buffer[0].shape[1]
+            splits = decode_num_splits(batch.batch_size, kv_heads, sm_count_for(batch.seq_lens))
+            batch.attn_metadata = _DecodeMeta(splits)
+            return
+        qo_start = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens  # [B]
+        batch.attn_metadata = _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0))
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+        table = batch.req_to_token_pool.req_to_token
+        meta = batch.attn_metadata
+        if q.dtype != k_buf.dtype:
+            q = q.to(k_buf.dtype)
+        if isinstance(meta, _DecodeMeta):
+            bsz, hq, d = q.shape
+            if meta.mid_o is None:
+                meta.mid_o = torch.empty((bsz, hq, meta.num_splits, d), dtype=torch.float32, device=q.device)
+                meta.mid_lse = torch.empty((bsz, hq, meta.num_splits), dtype=torch.float32, device=q.device)
+            return decode_attention(
+                q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, scale,
+                num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse,
+            )
+        return extend_attention(
+            q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
+            meta.qo_start, meta.max_extend_len, scale,
+        )
