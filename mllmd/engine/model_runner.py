@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.scheduler import ScheduledBatch
 from mllmd.models import get_model_class
 from mllmd.models.loader import iter_weights
+from mllmd.models.quantization import parse_quant_config
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,8 @@ class ModelInfo:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    weight_bytes: int
+    weight_bytes: int  # bytes of the stored weights (quantized tensors as stored, not dequantized copies)
+    quantization: str | None = None  # "w8a8" | "w4a16" (compressed-tensors) | None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -91,8 +94,14 @@ class ModelRunner:
         hf_config = AutoConfig.from_pretrained(config.model_path)
         dtype = resolve_dtype(config.dtype, hf_config, self.device)
         model_cls = get_model_class(getattr(hf_config, "architectures", None))
+        quant_config = parse_quant_config(hf_config)  # None, or UnsupportedQuantization naming the scheme
+        model_kwargs: dict[str, Any] = {}
+        if quant_config is not None:
+            if "quant_config" not in inspect.signature(model_cls).parameters:
+                raise ValueError(f"{model_cls.__name__} cannot load quantized ({quant_config.method}) checkpoints yet")
+            model_kwargs["quant_config"] = quant_config
         with torch.device(self.device):
-            self.model = model_cls(hf_config, dtype)
+            self.model = model_cls(hf_config, dtype, **model_kwargs)
         self.model.load_weights(iter_weights(config.model_path))
         self.model.eval()
         max_ctx = int(getattr(hf_config, "max_position_embeddings", 32768))
@@ -100,6 +109,8 @@ class ModelRunner:
         if context_length > max_ctx:
             raise ValueError(f"model.context_length: {context_length} exceeds the model's limit of {max_ctx}")
         attn = self.model.model.layers[0].self_attn
+        # Parameters are the stored weights (int8 / packed int4 + scales for quantized layers);
+        # kernels keep derived copies (e.g. the CPU W4A16 dequantized weight) as buffers.
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.info = ModelInfo(
             hf_config=hf_config,
@@ -112,6 +123,7 @@ class ModelRunner:
             num_kv_heads=attn.num_kv_heads,
             head_dim=attn.head_dim,
             weight_bytes=weight_bytes,
+            quantization=quant_config.method if quant_config is not None else None,
         )
         self.max_total_tokens = self._kv_pool_size()
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, context_length, self.device)
@@ -121,8 +133,9 @@ class ModelRunner:
         )
         self.attn_backend = create_attention_backend(config.attention_backend, self.device.type)
         logger.info(
-            "loaded %s (%s, %s) on %s: weights %.1f MB, KV pool %d tokens",
-            config.model_path, type(self.model).__name__, dtype, self.device, weight_bytes / 1e6, self.max_total_tokens,
+            "loaded %s (%s, %s, quantization %s) on %s: weights %.1f MB, KV pool %d tokens",
+            config.model_path, type(self.model).__name__, dtype, self.info.quantization or "none", self.device,
+            weight_bytes / 1e6, self.max_total_tokens,
         )
 
     def _kv_pool_size(self) -> int:

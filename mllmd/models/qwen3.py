@@ -14,10 +14,13 @@ from torch import nn
 
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.models.layers import Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
+from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, dtype: torch.dtype, quant: QuantConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
@@ -27,10 +30,16 @@ class Qwen3Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         bias = getattr(config, "attention_bias", False)
+        qkv_scheme = get_linear_scheme(quant, f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj")
         self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=bias, dtype=dtype
+            config.hidden_size,
+            {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+            bias=bias,
+            dtype=dtype,
+            quant=qkv_scheme,
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype)
+        o_scheme = get_linear_scheme(quant, f"{prefix}.o_proj")
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype, quant=o_scheme)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
@@ -47,11 +56,15 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": inter, "up": inter}, dtype=dtype)
-        self.down_proj = Linear(inter, config.hidden_size, dtype=dtype)
+        gate_up_scheme = get_linear_scheme(quant, f"{prefix}.gate_proj", f"{prefix}.up_proj")
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate": inter, "up": inter}, dtype=dtype, quant=gate_up_scheme
+        )
+        down_scheme = get_linear_scheme(quant, f"{prefix}.down_proj")
+        self.down_proj = Linear(inter, config.hidden_size, dtype=dtype, quant=down_scheme)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -59,10 +72,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, layer_id: int, dtype: torch.dtype, quant: QuantConfig | None = None, prefix: str = ""
+    ) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_id, dtype)
-        self.mlp = Qwen3MLP(config, dtype)
+        self.self_attn = Qwen3Attention(config, layer_id, dtype, quant, f"{prefix}.self_attn")
+        self.mlp = Qwen3MLP(config, dtype, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
@@ -80,10 +95,15 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(
+        self, config: Any, dtype: torch.dtype, quant: QuantConfig | None = None, prefix: str = "model"
+    ) -> None:
+        """`prefix`: the checkpoint's name for this module, which quantization targets match."""
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, i, dtype, quant, f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -107,10 +127,12 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", "up"),
     }
 
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
+    def __init__(self, config: Any, dtype: torch.dtype, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, dtype)
+        if get_linear_scheme(quant_config, "lm_head") is not None:
+            raise UnsupportedQuantization("a quantized lm_head is not supported (keep it in the config's ignore list)")
+        self.model = Qwen3Model(config, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head = None
@@ -130,25 +152,33 @@ class Qwen3ForCausalLM(nn.Module):
         return torch.matmul(hidden, self.lm_head_weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into the (fused) parameters; error on missing or unexpected names."""
+        """Copy checkpoint tensors into the (fused) parameters; error on missing or unexpected names.
+
+        Linear layers take their tensors by name (weight, bias, and for quantized layers
+        weight_scale, weight_packed, ...); then each prepares its kernel.
+        """
         params = dict(self.named_parameters())
+        linears = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
-            fused = None
-            for sub, (target, shard) in self.stacked_params.items():
-                if f".{sub}." in name:
-                    fused = (name.replace(f".{sub}.", f".{target}."), shard)
+            module_name, _, attr = name.rpartition(".")
+            shard = None
+            for sub, (target, s) in self.stacked_params.items():
+                if module_name.endswith(f".{sub}"):
+                    module_name, shard = module_name[: -len(sub)] + target, s
                     break
-            if fused is not None:
-                pname, shard = fused
-                module = self.get_submodule(pname.rsplit(".", 1)[0])
-                assert isinstance(module, MergedLinear)
-                module.load_shard(pname.rsplit(".", 1)[1], shard, tensor)
-                loaded.add(f"{pname}:{shard}")
+            linear = linears.get(module_name)
+            if linear is not None:
+                try:
+                    filled = linear.load_weight(attr, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"weight {name!r}: {e}") from None
+                if filled:
+                    loaded.add(f"{module_name}.{attr}" + (f":{shard}" if shard else ""))
                 continue
             if name not in params:
                 raise ValueError(f"unexpected weight {name!r} in checkpoint")
@@ -157,6 +187,8 @@ class Qwen3ForCausalLM(nn.Module):
             params[name].data.copy_(tensor)
             loaded.add(name)
         self._check_complete(params, loaded)
+        for linear in linears.values():
+            linear.process_weights_after_loading()
 
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         missing = []

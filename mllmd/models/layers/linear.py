@@ -1,4 +1,9 @@
-"""Linear layers that allocate without initialising and load (possibly fused) checkpoint shards."""
+"""Linear layers that allocate without initialising and load (possibly fused) checkpoint shards.
+
+A layer built with a quantization scheme stores the checkpoint's quantized tensors instead of a
+dense `weight` and computes through its QuantMethod (mllmd.models.quantization), whose kernel is
+chosen per device once the weights are loaded.
+"""
 
 from __future__ import annotations
 
@@ -6,39 +11,95 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mllmd.models.quantization import LinearScheme, QuantMethod, create_quant_method
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b); weights are filled by the loader, never randomly initialised."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        quant: LinearScheme | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.params_dtype = dtype or torch.get_default_dtype()
+        self.quant_method: QuantMethod | None = create_quant_method(quant) if quant is not None else None
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        else:
+            self.quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.quant_method is None:
+            return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
+
+    def shard_rows(self, shard: str | None) -> tuple[int, int]:
+        """(first output row, row count) of a checkpoint shard; the whole layer for None."""
+        if shard is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard!r}")
+        return 0, self.out_features
+
+    def load_weight(self, name: str, loaded: torch.Tensor, shard: str | None = None) -> bool:
+        """Copy checkpoint tensor `name` (weight, bias, weight_scale, ...) into its rows of the
+        parameter; False for a tensor that is only checked (e.g. W4A16 `weight_shape`)."""
+        offset, size = self.shard_rows(shard)
+        if self.quant_method is not None and name != "bias":
+            converted = self.quant_method.loaded_tensor(self, name, loaded, size)
+            if converted is None:
+                return False
+            loaded = converted
+        target = getattr(self, name, None) if name in self._parameters else None
+        if target is None:
+            raise ValueError(f"unexpected tensor {name!r} for this layer (quantization: {self.quant_label})")
+        if loaded.shape[0] != size or loaded.shape[1:] != target.shape[1:]:
+            raise ValueError(
+                f"{name} has shape {tuple(loaded.shape)}, expected {(size, *target.shape[1:])}"
+                + (f" for shard {shard!r}" if shard is not None else "")
+            )
+        target.data[offset : offset + size].copy_(loaded)
+        return True
+
+    @property
+    def quant_label(self) -> str:
+        return self.quant_method.scheme.describe() if self.quant_method is not None else "none"
+
+    def process_weights_after_loading(self) -> None:
+        """Let the quantized layer's kernel prepare its weights (no-op when unquantized)."""
+        if self.quant_method is not None:
+            self.quant_method.process_weights_after_loading(self)
 
 
 class MergedLinear(Linear):
     """Several projections of the same input fused along the output dim (QKV, gate/up)."""
 
     def __init__(
-        self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, dtype: torch.dtype | None = None
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        quant: LinearScheme | None = None,
     ) -> None:
-        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype)
+        super().__init__(in_features, sum(shard_sizes.values()), bias, dtype, quant)
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for name, size in shard_sizes.items():
             self.shard_offsets[name] = (offset, size)
             offset += size
 
-    def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> None:
+    def shard_rows(self, shard: str | None) -> tuple[int, int]:
+        if shard not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard!r} (expected one of {', '.join(self.shard_offsets)})")
+        return self.shard_offsets[shard]
+
+    def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> bool:
         """Copy one checkpoint tensor (e.g. k_proj.weight) into its slice of the fused parameter."""
-        offset, size = self.shard_offsets[shard]
-        target = self.weight if param_name == "weight" else self.bias
-        assert target is not None
-        if loaded.shape[0] != size:
-            raise ValueError(f"shard {shard!r} has {loaded.shape[0]} rows, expected {size}")
-        target.data[offset : offset + size].copy_(loaded)
+        return self.load_weight(param_name, loaded, shard)

@@ -1,0 +1,33 @@
+"""compressed-tensors W8A8 (int8) and W4A16 (int4) checkpoints: config parsing, quantized Linear
+storage (`methods`), per-device GEMM kernels (`kernels`) and their torch references (`ops`)."""
+
+from mllmd.models.quantization.config import (
+    W4A16,
+    W8A8,
+    LinearScheme,
+    QuantConfig,
+    UnsupportedQuantization,
+    parse_quant_config,
+)
+from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel, select_kernel
+from mllmd.models.quantization.methods import QuantMethod, create_quant_method
+
+__all__ = [
+    "W4A16",
+    "W8A8",
+    "LinearScheme",
+    "QuantConfig",
+    "QuantLinearKernel",
+    "QuantMethod",
+    "UnsupportedQuantization",
+    "create_quant_method",
+    "get_linear_scheme",
+    "parse_quant_config",
+    "register_kernel",
+    "select_kernel",
+]
+
+
+def get_linear_scheme(quant_config: QuantConfig | None, *names: str) -> LinearScheme | None:
+    """Scheme of the linear layer made of checkpoint modules `names` (None: full precision)."""
+    return None if quant_config is None else quant_config.scheme_for(names)

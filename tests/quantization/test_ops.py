@@ -1,0 +1,139 @@
+"""Torch references of the quantized layers against compressed-tensors' own functions, and the kernel registry."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mllmd.models.layers import Linear, MergedLinear
+from mllmd.models.quantization import LinearScheme, QuantLinearKernel, ops, register_kernel, select_kernel
+from mllmd.models.quantization import kernels as kernels_mod
+
+W8A8_SCHEME = LinearScheme("w8a8", 8, "channel", None, True)
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(4, 64), (3, 13), (16, 256)])
+def test_int4_packing_matches_compressed_tensors(rows: int, cols: int) -> None:
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    g = torch.Generator().manual_seed(rows * cols)
+    q = torch.randint(-8, 8, (rows, cols), generator=g, dtype=torch.int8)
+    packed = pack_to_int32(q, 4)
+    assert torch.equal(ops.pack_int4(q), packed)
+    assert torch.equal(ops.unpack_int4(packed, cols), q)
+    # zero points are packed along the output dim
+    packed0 = pack_to_int32(q, 4, packed_dim=0)
+    assert torch.equal(ops.unpack_int4(packed0.t().contiguous(), rows).t(), q)
+    assert torch.equal(unpack_from_int32(packed, 4, q.shape), q)
+
+
+def test_per_token_quant_matches_compressed_tensors_fake_quant() -> None:
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    args = preset_name_to_scheme("W8A8", ["Linear"]).input_activations
+    x = torch.randn(1, 9, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 9).view(1, 9, 1)
+    x[0, 4] = 0.0  # an all-zero token gets the eps scale, as in compressed-tensors
+    x[0, 5, 7] = x[0, 5].abs().max() * 1.0  # the positive extreme clamps to 127
+    scale, zp = compute_dynamic_scales_and_zp(x, args, module=torch.nn.Module())
+    expected = fake_quantize(x, scale, zp, args)
+    q, s = ops.per_token_quant_int8(x[0])
+    assert q.dtype == torch.int8 and int(q.max()) <= 127 and int(q.min()) >= -128
+    assert torch.equal(s, scale[0].float())
+    assert torch.equal(q.float() * s, expected[0])
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 64])
+@pytest.mark.parametrize("use_int_mm", [True, False])
+def test_int8_mm_is_exact(m: int, use_int_mm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not use_int_mm:
+        monkeypatch.setitem(ops._int_mm_works, "cpu", False)
+    elif not ops.int_mm_available(torch.device("cpu")):
+        pytest.skip("torch._int_mm is not available on this CPU build")
+    g = torch.Generator().manual_seed(m)
+    a = torch.randint(-128, 128, (m, 200), generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (24, 200), generator=g, dtype=torch.int8)
+    out = ops.int8_mm(a, b)
+    assert out.dtype == torch.int32
+    assert torch.equal(out.long(), a.long() @ b.long().t())
+
+
+def test_w8a8_linear_equals_fake_quantized_float_linear() -> None:
+    """int8 GEMM with int32 accumulation == float linear of the dequantized activations and weights."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-128, 128, (48, 64), generator=g, dtype=torch.int8)
+    w_scale = torch.rand(48, 1, generator=g) * 0.01 + 1e-3
+    x = torch.randn(7, 64, generator=g, dtype=torch.float64).float()
+    bias = torch.randn(48, generator=g)
+    out = ops.w8a8_linear_ref(x, w, w_scale, bias)
+    q, s = ops.per_token_quant_int8(x)
+    ref = (q.double() * s.double()) @ (w.double() * w_scale.double()).t() + bias.double()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_empty_batch() -> None:
+    layer = Linear(32, 16, quant=W8A8_SCHEME)
+    layer.load_weight("weight", torch.ones(16, 32, dtype=torch.int8))
+    layer.load_weight("weight_scale", torch.ones(16, 1))
+    layer.process_weights_after_loading()
+    assert layer(torch.zeros(0, 32)).shape == (0, 16)
+
+
+def test_fused_w4a16_layer_keeps_each_shards_scales_and_zero_points() -> None:
+    """Two shards with their own packed weights, group scales and (packed) zero points."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    scheme = LinearScheme("w4a16", 4, "group", 32, False)
+    layer = MergedLinear(64, {"gate": 16, "up": 24}, quant=scheme)
+    g = torch.Generator().manual_seed(5)
+    expected = []
+    for shard, rows in (("gate", 16), ("up", 24)):
+        q = torch.randint(-8, 8, (rows, 64), generator=g, dtype=torch.int8)
+        scale = torch.rand(rows, 2, generator=g) + 0.5
+        zp = torch.randint(-8, 8, (rows, 2), generator=g, dtype=torch.int8)
+        layer.load_shard("weight_packed", shard, pack_to_int32(q, 4))
+        layer.load_shard("weight_scale", shard, scale)
+        layer.load_shard("weight_zero_point", shard, pack_to_int32(zp, 4, packed_dim=0))
+        assert layer.load_shard("weight_shape", shard, torch.tensor([rows, 64])) is False
+        expected.append(((q.view(rows, 2, 32).float() - zp.float().unsqueeze(-1)) * scale.unsqueeze(-1)).view(rows, 64))
+    layer.process_weights_after_loading()
+    assert torch.equal(layer.weight_dequant, torch.cat(expected))
+    x = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(layer(x), x @ torch.cat(expected).t())
+    with pytest.raises(ValueError, match="weight_shape"):
+        layer.load_shard("weight_shape", "up", torch.tensor([16, 64]))
+    with pytest.raises(ValueError, match="unexpected tensor 'weight_g_idx'"):
+        layer.load_shard("weight_g_idx", "up", torch.zeros(64, dtype=torch.int32))
+
+
+def test_a_registered_kernel_is_preferred_where_it_can_run() -> None:
+    calls = []
+
+    class FakeGpuW8A8(QuantLinearKernel):
+        @classmethod
+        def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
+            return None if scheme.method == "w8a8" and device.type == "cpu" else "fake: cpu w8a8 only"
+
+        def process_weights(self, layer: Linear) -> None:
+            calls.append("process")
+
+        def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            calls.append("apply")
+            return ops.w8a8_linear_ref(x, layer.weight, layer.weight_scale, bias)
+
+    register_kernel(FakeGpuW8A8)
+    try:
+        assert isinstance(select_kernel(W8A8_SCHEME, torch.device("cpu")), FakeGpuW8A8)
+        w4 = LinearScheme("w4a16", 4, "group", 128, True)
+        assert isinstance(select_kernel(w4, torch.device("cpu")), kernels_mod.TorchW4A16Kernel)
+        layer = Linear(32, 8, quant=W8A8_SCHEME)
+        layer.load_weight("weight", torch.ones(8, 32, dtype=torch.int8))
+        layer.load_weight("weight_scale", torch.full((8, 1), 0.5))
+        layer.process_weights_after_loading()
+        layer(torch.ones(2, 32))
+        assert calls == ["process", "apply"]
+    finally:
+        kernels_mod.unregister_kernel(FakeGpuW8A8)
+    assert isinstance(select_kernel(W8A8_SCHEME, torch.device("cpu")), kernels_mod.TorchW8A8Kernel)
