@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     except Unreachable as e:
         print(f"mllmctl: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `mllmctl status | head`
+        return 0
     except Exception as e:  # a bad config file and the like
         print(f"mllmctl: error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mllmd.daemon.admin import admin_routes
 from mllmd.openai import protocol, serving
 from mllmd.openai import responses as R
 from mllmd.openai.errors import (
@@ -89,23 +90,31 @@ class Api:
             if await request.is_disconnected():
                 task.cancel()
                 for s in states:
-                    await self.d.rm.abort(s.rid)
+                    await s.owner.abort(s.rid)
                 raise ClientDisconnect()
 
-    def _stream(self, states: list[Any], gen: AsyncIterator[bytes]) -> StreamingResponse:
+    async def _stream(self, request: Request, states: list[Any], gen: AsyncIterator[bytes]) -> StreamingResponse:
+        """Stream `gen` as SSE, once every choice has its first result: an error known before the
+        first token (prompt too long, no room for max_tokens, a lost worker) is an HTTP error."""
+        error = await self._watch(request, states, _first_error(states))
+        if error is not None:
+            for s in states:
+                await s.owner.abort(s.rid)
+            serving.raise_if_error(error)
+
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for chunk in gen:
                     yield chunk
             finally:
                 for s in states:
-                    await self.d.rm.abort(s.rid)
+                    await s.owner.abort(s.rid)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _submit(self, msg: dict[str, Any], n: int) -> list[Any]:
-        self.d.admit_or_raise(n)
-        return await self.d.rm.submit({"type": "generate", **msg}, n)
+        slot = self.d.serving_slot(n)
+        return await slot.rm.submit({"type": "generate", **msg}, n)
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -132,7 +141,7 @@ class Api:
         opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,
                                    self.d.config.server.tool_call_parser)
         if req.stream:
-            return self._stream(states, serving.chat_stream(states, req, opts))
+            return await self._stream(request, states, serving.chat_stream(states, req, opts))
         return JSONResponse(await self._watch(request, states, serving.chat_full(states, req, opts)))
 
     async def completions(self, request: Request) -> Response:
@@ -148,7 +157,7 @@ class Api:
         echo = [prompt if isinstance(prompt, str) else ""] * req.n
         model = self.d.served_model_name or ""
         if req.stream:
-            return self._stream(states, serving.completion_stream(states, req, model, echo))
+            return await self._stream(request, states, serving.completion_stream(states, req, model, echo))
         return JSONResponse(await self._watch(request, states, serving.completion_full(states, req, model, echo)))
 
     async def generate(self, request: Request) -> Response:
@@ -162,7 +171,7 @@ class Api:
         msg = {"mode": "text", "prompt": prompt} if isinstance(prompt, str) else {"mode": "ids", "input_ids": prompt}
         states = await self._submit({**msg, "sampling": req}, 1)
         if req.stream:
-            return self._stream(states, serving.generate_stream(states))
+            return await self._stream(request, states, serving.generate_stream(states))
         out = await self._watch(request, states, serving.generate_full(states))
         return JSONResponse(out[0])
 
@@ -172,8 +181,30 @@ class Api:
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str):
             raise bad_request("'rid' must be a string", "rid")
-        await self.d.rm.abort(rid)
+        slot = self.d.active
+        if slot is not None:
+            await slot.rm.abort(rid)
         return JSONResponse({"aborted": rid})
+
+    async def metrics(self, request: Request) -> Response:
+        if self.d.config.server.metrics_require_key:
+            self._auth(request)
+        body, content_type = self.d.metrics.render()
+        return Response(body, media_type=content_type)
+
+
+async def _first_error(states: list[Any]) -> dict[str, Any] | None:
+    """Wait for each state's first item (left at the head of its queue); the first error, if any."""
+    for s in states:
+        item = await s.queue.get()
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue.put_nowait(item)
+        while not s.queue.empty():
+            queue.put_nowait(s.queue.get_nowait())
+        s.queue = queue  # no await since the get: nothing can arrive in between
+        if "error" in item:
+            return item
+    return None
 
 
 def _wrap(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -197,6 +228,8 @@ def build_app(daemon: Daemon) -> Starlette:
         Route("/v1/completions", _wrap(api.completions), methods=["POST"]),
         Route("/generate", _wrap(api.generate), methods=["POST"]),
         Route("/abort_request", _wrap(api.abort_request), methods=["POST"]),
+        Route("/metrics", _wrap(api.metrics), methods=["GET"]),
+        *admin_routes(daemon),
     ]
 
     async def not_found(request: Request, exc: Exception) -> Response:

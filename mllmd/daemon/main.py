@@ -1,18 +1,20 @@
-"""The daemon's main process: supervisor, HTTP (TCP + Unix socket), request routing, systemd notify.
+"""The daemon's main process: HTTP (TCP + Unix socket), model lifecycle, metrics, systemd notify.
 
-The main process never imports torch: workers do the ML work.
+Each loaded model lives in a ModelSlot (its workers and requests). A load while serving is a hot
+swap: the new slot loads beside the active one and takes over new requests once ready; the old one
+finishes what it holds, then stops. The main process never imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
+import json
 import logging
 import os
 import signal
 import socket
 import stat
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -20,13 +22,25 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mllmd.daemon.config import DaemonConfig
-from mllmd.daemon.request_manager import RequestManager
-from mllmd.daemon.supervisor import Supervisor, WorkerPolicy
+from mllmd import __version__
+from mllmd.config import ConfigError, EngineConfig
+from mllmd.daemon.config import DaemonConfig, load_config
+from mllmd.daemon.metrics import Metrics
+from mllmd.daemon.model_slot import ModelSlot
+from mllmd.daemon.models import ModelError, check_loadable, inspect_model, resolve_in_models_dirs
+from mllmd.daemon.supervisor import WorkerPolicy
 from mllmd.openai.errors import APIError, service_unavailable
+from mllmd.telemetry.collector import TelemetryCollector
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd")
+STATE_FILE = "active-model.json"
+# Keys a reload (SIGHUP, POST /admin/reload) applies at once; the others need a restart or a model load.
+LIVE_KEYS = (
+    "server.api_key", "server.api_key_file", "server.admin_api_key", "server.max_queued_requests",
+    "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
+    "server.media_dirs", "server.metrics_require_key", "model.models_dir", "logging.level",
+)
 
 
 class Notifier:
@@ -40,15 +54,6 @@ class Notifier:
     def send(self, line: str) -> None:
         if self._n is not None:
             self._n.notify(line)
-
-
-def _ipc_dir() -> Path:
-    base = os.environ.get("RUNTIME_DIRECTORY")
-    if base:
-        d = Path(base.split(":")[0]) / f"ipc-{os.getpid()}"
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return d
-    return Path(tempfile.mkdtemp(prefix="mllmd-"))
 
 
 def _unix_listener(path: str) -> socket.socket:
@@ -80,104 +85,273 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
+def state_dir() -> Path:
+    return Path((os.environ.get("STATE_DIRECTORY") or "/var/lib/mllmd").split(":")[0])
+
+
 class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.started_at = int(time.time())
-        self.ipc_dir = _ipc_dir()
+        self.started_mono = time.monotonic()
         self.zctx = zmq.asyncio.Context()
-        self.inbox = ipc.pull(self.zctx, self.ipc_dir, ipc.MAIN)  # type: ignore[arg-type]
-        self.rm = RequestManager(self.zctx, str(self.ipc_dir))
         self.notifier = Notifier()
-        self.supervisor: Supervisor | None = None
-        self.served_model_name: str | None = None
-        self.model_path: str | None = None
-        self.engine_stats: dict[str, Any] = {}
+        self.metrics = Metrics(workers=ipc.WORKERS)
+        self.telemetry = TelemetryCollector(config.telemetry, on_snapshot=self.metrics.set_telemetry)
+        self.active: ModelSlot | None = None
+        self.pending: ModelSlot | None = None
+        self.load_error: str | None = None
         self.draining = False
+        self.stopping = False
         self._stop = asyncio.Event()
         self._announced_ready = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._controls: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.retiring: set[ModelSlot] = set()  # slots finishing their requests before they stop
 
     # ---- state -------------------------------------------------------------------------------
     @property
+    def served_model_name(self) -> str | None:
+        return self.active.served_name if self.active is not None else None
+
+    @property
     def state(self) -> str:
-        if self.draining:
+        if self.draining or self.stopping:
             return "draining"
-        if self.supervisor is None:
-            return "idle"
-        if self.supervisor.degraded_reason:
+        if self.active is None:
+            return "loading" if self.pending is not None else "idle"
+        if self.active.supervisor.degraded_reason:
             return "degraded"
-        return "ready" if self.supervisor.all_ready else "loading"
+        return "ready" if self.active.ready else "loading"
 
     def not_ready_reason(self) -> str | None:
         state = self.state
         if state == "ready":
             return None
         if state == "idle":
-            return "no model is loaded"
+            return "no model is loaded" + (f" (last load failed: {self.load_error})" if self.load_error else "")
         if state == "degraded":
-            return f"degraded: {self.supervisor.degraded_reason}"  # type: ignore[union-attr]
+            return f"degraded: {self.active.supervisor.degraded_reason}"  # type: ignore[union-attr]
         if state == "draining":
-            return "the server is shutting down"
+            return "the server is draining: it accepts no new requests"
         return "the model is loading or a worker is restarting"
 
-    def admit_or_raise(self, n: int) -> None:
-        """Back-pressure: refuse with 503 + Retry-After when the waiting queue would overflow."""
+    def serving_slot(self, n: int) -> ModelSlot:
+        """The slot new requests go to; 503 with Retry-After when not ready or at capacity."""
+        reason = self.not_ready_reason()
+        if reason is not None or self.active is None:
+            raise service_unavailable(reason or "no model is loaded")
+        slot = self.active
+        running = int(slot.engine_stats.get("running", 0))
         limit = self.config.server.max_queued_requests + self.config.engine.max_running_requests
-        if self.rm.num_in_flight + n > limit:
+        if slot.rm.num_in_flight + n > limit:
             raise service_unavailable(
-                f"the server is at capacity ({self.rm.num_in_flight} requests in flight, "
+                f"the server is at capacity ({slot.rm.num_in_flight} requests in flight, {running} running; "
                 f"max_queued_requests={self.config.server.max_queued_requests}); retry later",
                 retry_after=1,
             )
+        return slot
 
-    # ---- model -------------------------------------------------------------------------------
-    def start_model(self, path: str) -> None:
-        engine = self.config.engine_config(path)
-        self.model_path = engine.model_path
-        self.served_model_name = self.config.served_model_name(engine.model_path)
+    def _retire(self, slot: ModelSlot, drain: bool) -> None:
+        """Stop a slot in the background (after its requests finish when `drain`)."""
+        self.retiring.add(slot)
+
+        async def run() -> None:
+            try:
+                if drain:
+                    await slot.drain_and_stop(self.config.server.shutdown_timeout)
+                else:
+                    await slot.stop()
+            finally:
+                self.retiring.discard(slot)
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ---- model lifecycle ---------------------------------------------------------------------
+    def _policy(self) -> WorkerPolicy:
         w = self.config.workers
-        settings = {
-            "engine": dataclasses.asdict(engine),
-            "tokenizer_path": engine.tokenizer_path or engine.model_path,
-            "heartbeat_interval": w.heartbeat_interval,
-            "log_level": self.config.logging.level,
-        }
-        policy = WorkerPolicy(
+        return WorkerPolicy(
             heartbeat_interval=w.heartbeat_interval, heartbeat_timeout=w.heartbeat_timeout,
             backoff_initial=w.restart_backoff_initial, backoff_max=w.restart_backoff_max,
             max_restarts=w.max_restarts, restart_window=w.restart_window, ready_timeout=w.ready_timeout,
         )
-        self.supervisor = Supervisor(self.ipc_dir, settings, policy, self._worker_lost)
-        self.supervisor.start_all()
-        self.notifier.send(f"STATUS=loading {self.served_model_name}")
 
-    def _worker_lost(self, name: str, reason: str) -> None:
-        self.rm.fail_all(f"request failed: {reason}; the worker is being restarted")
+    def _engine_for(self, path: str, overrides: dict[str, Any]) -> EngineConfig:
+        engine = self.config.engine_config(path)
+        if overrides:
+            try:
+                engine = engine.replace(**overrides)
+            except TypeError as e:
+                raise ModelError(f"unknown model override: {e}") from None
+            except ConfigError as e:
+                raise ModelError(f"bad model override {e}") from None
+        return engine
+
+    def begin_load(self, path: str, overrides: dict[str, Any], served_name: str | None = None) -> str:
+        """Validate, then start loading `path` in a new slot (a hot swap if a model is active)."""
+        if self.pending is not None:
+            raise ModelError(f"a load is already in progress ({self.pending.engine.model_path})")
+        facts = inspect_model(path)
+        check_loadable(facts)
+        try:
+            self.config.check_quantization(facts.quantization)
+        except ConfigError as e:
+            raise ModelError(str(e)) from None
+        engine = self._engine_for(path, overrides)
+        name = served_name or self.config.served_model_name(path) or facts.name
+        slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
+                         self._on_slot_message, self._on_worker_lost)
+        slot.overrides = overrides  # type: ignore[attr-defined]
+        self.pending, self.load_error, self.draining = slot, None, False
+        slot.start()
+        self.notifier.send(f"STATUS=loading {name}")
+        logger.info("loading %s from %s", name, path)
+        return f"loading {name} from {path}" + (" (hot swap: the current model serves until it is ready)"
+                                                   if self.active is not None else "")
+
+    async def load_model(self, ref: str, overrides: dict[str, Any]) -> str:
+        """Admin load: `ref` must resolve inside a models dir."""
+        path = resolve_in_models_dirs(ref, self.config.model.models_dir)
+        return self.begin_load(str(path), overrides)
+
+    async def unload_model(self) -> str:
+        if self.pending is not None:
+            slot, self.pending = self.pending, None
+            await slot.stop()
+        if self.active is None:
+            self._record_active(None, {})
+            return "no model was loaded"
+        slot, self.active = self.active, None
+        self.metrics.clear_model()
+        self._record_active(None, {})
+        self._retire(slot, drain=True)
+        return f"unloading {slot.served_name}: requests in flight finish first"
+
+    async def start_drain(self) -> str:
+        self.draining = True
+        n = self.active.rm.num_in_flight if self.active is not None else 0
+        return f"draining: no new requests are accepted; {n} in flight will finish (a load-model ends the drain)"
+
+    async def flush_cache(self) -> str:
+        if self.active is None or not self.active.ready:
+            raise APIError(409, "no model is ready", "invalid_request_error", None, "no_model")
+        cid = os.urandom(6).hex()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._controls[cid] = fut
+        await self.active.rm.send_control({"type": "flush_cache", "id": cid})
+        try:
+            result = await asyncio.wait_for(fut, 10.0)
+        except asyncio.TimeoutError:
+            raise APIError(504, "the scheduler did not answer the flush in 10 s", "server_error") from None
+        finally:
+            self._controls.pop(cid, None)
+        return f"flushed the prefix cache: {result.get('freed_tokens', 0)} cached tokens freed (entries in use kept)"
+
+    def _record_active(self, path: str | None, overrides: dict[str, Any]) -> None:
+        """Remember the active model so a restart loads it again."""
+        d = state_dir()
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            tmp = d / (STATE_FILE + ".tmp")
+            # boot_default: model.path when this was recorded; if the configuration names another model
+            # later, the operator changed it on purpose and that wins over this record.
+            tmp.write_text(json.dumps({"path": path, "overrides": overrides, "boot_default": self.config.model.path}))
+            os.replace(tmp, d / STATE_FILE)
+        except OSError as e:
+            logger.warning("cannot record the active model in %s: %s", d, e)
+
+    def _boot_model(self) -> tuple[str | None, dict[str, Any]]:
+        """The model to load at start: the recorded one if any, else model.path from the config."""
+        f = state_dir() / STATE_FILE
+        if f.is_file():
+            try:
+                rec = json.loads(f.read_text())
+                path = rec.get("path")
+                if rec.get("boot_default") != self.config.model.path:
+                    logger.info("model.path changed since %s was written; loading model.path", f)
+                elif path is None or Path(path).is_dir():
+                    return path, dict(rec.get("overrides") or {})
+                else:
+                    logger.warning("recorded model %s is gone; using model.path", path)
+            except (OSError, ValueError) as e:
+                logger.warning("ignoring unreadable %s: %s", f, e)
+        return (self.config.engine_config().model_path if self.config.model.path else None), {}
+
+    def _on_worker_lost(self, slot: ModelSlot, name: str, reason: str) -> None:
+        if slot is self.pending:
+            return  # handled by the load watcher
+        rids = list(slot.rm.reqs)
+        for rid in rids:
+            self.metrics.forget(rid)
+        slot.rm.fail_all(f"request failed: {reason}; the worker is being restarted")
+        self.metrics.on_worker_restart(name)
+        if name != ipc.SCHEDULER and rids:  # the engine still runs them: nobody would read their output
+            self._spawn(self._abort_in_scheduler(slot, rids))
         self.notifier.send(f"STATUS={self.state}: {reason}")
 
-    # ---- loops -------------------------------------------------------------------------------
-    async def _recv_loop(self) -> None:
-        while True:
-            msg = await self.inbox.recv_pyobj()
-            kind = msg.get("type")
-            if kind in ("heartbeat", "ready", "fatal"):
-                if self.supervisor is not None:
-                    self.supervisor.on_message(msg)
-            elif kind == "stats":
-                self.engine_stats = msg
-            elif kind in ("outputs", "error"):
-                for rid in self.rm.deliver(msg):
-                    await self.rm.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
+    async def _abort_in_scheduler(self, slot: ModelSlot, rids: list[str]) -> None:
+        for rid in rids:
+            await slot.rm.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
 
+    def _on_slot_message(self, slot: ModelSlot, msg: dict[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "stats" and slot is self.active:
+            self.metrics.observe_engine_stats(msg)
+        elif kind == "outputs":
+            for item in msg["items"]:
+                st = slot.rm.reqs.get(item["rid"])
+                if st is not None:
+                    self.metrics.on_output(item["rid"], item, st.created)
+        elif kind == "error":
+            for r in slot.rm.groups.get(msg["rid"], [msg["rid"]]):
+                self.metrics.forget(r)
+        elif kind == "control_result":
+            fut = self._controls.get(msg.get("id") or "")
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+
+    def _watch_pending(self) -> None:
+        slot = self.pending
+        if slot is None:
+            return
+        sup = slot.supervisor
+        failed = next((h for h in sup.workers.values() if h.restarts > 0), None)
+        if slot.ready:
+            old, self.active, self.pending = self.active, slot, None
+            d = slot.describe()
+            self.metrics.set_model(slot.served_name, d["architecture"], d["dtype"], d["quantization"] or "none")
+            self.metrics.observe_model_load(slot.load_seconds or 0.0, slot.served_name)
+            self._record_active(slot.engine.model_path, getattr(slot, "overrides", {}))
+            logger.info("model %s ready in %.1f s", slot.served_name, slot.load_seconds or 0.0)
+            if old is not None:
+                self._retire(old, drain=True)
+        elif failed is not None or time.monotonic() - slot.load_started > self.config.workers.ready_timeout:
+            why = (failed.last_error or "the worker exited") if failed is not None else "timed out"
+            self.load_error = f"loading {slot.engine.model_path} failed: {why}"
+            logger.error("%s", self.load_error)
+            self.pending = None
+            self._retire(slot, drain=False)
+
+    # ---- loops -------------------------------------------------------------------------------
     async def _supervise_loop(self) -> None:
         last_state = None
         while True:
-            if self.supervisor is not None and not self.draining:
-                self.supervisor.check()
+            if not self.stopping:
+                if self.pending is not None:
+                    self.pending.supervisor.check()
+                    self._watch_pending()
+                if self.active is not None:
+                    self.active.supervisor.check()
             state = self.state
             if state != last_state:
                 logger.info("state: %s", state)
-                if state == "ready" and not self._announced_ready:
+                self.metrics.set_up(state == "ready")
+                if state in ("ready", "idle") and not self._announced_ready and self.pending is None:
                     self.notifier.send("READY=1")
                     self._announced_ready = True
                 self.notifier.send(f"STATUS={state}" + (f" ({self.served_model_name})" if self.served_model_name else ""))
@@ -193,6 +367,67 @@ class Daemon:
             self.notifier.send("WATCHDOG=1")
             await asyncio.sleep(interval)
 
+    # ---- status and reload -------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        slot = self.active
+        stats = slot.engine_stats if slot is not None else {}
+        kv = stats.get("kv") or {}
+        total = kv.get("total") or 0
+        used = total - kv.get("free", 0) - kv.get("evictable", 0) if total else 0
+        pend = self.pending
+        snap = self.telemetry.latest().to_dict()
+        return {
+            "state": self.state,
+            "reason": self.not_ready_reason(),
+            "model": slot.describe() if slot is not None else None,
+            "load": {
+                "in_progress": pend is not None,
+                "path": pend.engine.model_path if pend is not None else None,
+                "progress": round(pend.progress, 3) if pend is not None else None,
+                "stage": ("loading weights" if pend is not None and pend.progress < 1 else None),
+                "error": self.load_error,
+            },
+            "version": __version__,
+            "uptime_seconds": round(time.monotonic() - self.started_mono, 3),
+            "workers": slot.supervisor.status() if slot is not None else [],
+            "requests": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
+                         "in_flight": slot.rm.num_in_flight if slot is not None else 0},
+            "kv_cache": {"total_tokens": total, "free_tokens": kv.get("free"), "cached_tokens": kv.get("cached"),
+                         "usage_ratio": round(used / total, 4) if total else 0.0} if total else {},
+            "memory": {"used_bytes": snap.get("memory_used_bytes"), "total_bytes": snap.get("memory_total_bytes"),
+                       "gpu_used_bytes": snap.get("gpu_memory_used_bytes"),
+                       "gpu_total_bytes": snap.get("gpu_memory_total_bytes")},
+            "telemetry_sources": snap.get("sources"),
+            "config": self.config.redacted(),
+        }
+
+    def reload_config(self) -> dict[str, Any]:
+        """Re-read the YAML (+ environment, + the original command line); apply what can change live."""
+        cli = {k: self.config.get(k) for k, src in self.config.sources.items() if str(src).startswith("command line")}
+        try:
+            new = load_config(self.config.config_file, cli)
+        except ConfigError as e:
+            raise APIError(400, f"the configuration is invalid, nothing changed: {e}", "invalid_request_error",
+                           None, "bad_config") from None
+        changed = [k for k in new.sources.keys() | self.config.sources.keys() if new.get(k) != self.config.get(k)]
+        live = {k: new.get(k) for k in changed if k in LIVE_KEYS}
+        later = sorted(k for k in changed if k not in LIVE_KEYS)
+        if live:
+            self.config = self.config.with_values(live, source="reload")
+            if "logging.level" in live:
+                logging.getLogger().setLevel(self.config.logging.level)
+        logger.info("reload: applied %s; needs a restart or a model load: %s", sorted(live) or "nothing", later or "nothing")
+        return {"message": f"applied {len(live)} change(s); {len(later)} need a restart or a model load",
+                "applied": sorted(live), "needs_restart": later}
+
+    def _on_sighup(self) -> None:
+        self.notifier.send("RELOADING=1")
+        try:
+            self.reload_config()
+        except APIError as e:
+            logger.error("%s", e.message)
+        self.notifier.send("READY=1")
+
     # ---- serve -------------------------------------------------------------------------------
     async def serve(self) -> int:
         import uvicorn
@@ -202,22 +437,26 @@ class Daemon:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
-        loop.add_signal_handler(signal.SIGHUP, self._reload)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         srv = self.config.server
         sockets = [_tcp_listener(srv.host, srv.port)]
         if srv.unix_socket:
             sockets.append(_unix_listener(srv.unix_socket))
-        if self.config.model.path:
-            self.start_model(self.config.model.path)
-        else:
-            self.notifier.send("READY=1")
-            self._announced_ready = True
+        self.telemetry.start()
+        path, overrides = self._boot_model()
+        if path:
+            try:
+                self.begin_load(path, overrides, self.config.served_model_name(path))
+            except ModelError as e:
+                self.load_error = f"cannot load {path}: {e}"
+                logger.error("%s", self.load_error)
         app = build_app(self)
         uconfig = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=1)
         server = uvicorn.Server(uconfig)
+        # SIGTERM/SIGINT are ours (drain first); uvicorn >= 0.29 would otherwise take them and stop at once
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
         tasks = [
-            asyncio.create_task(self._recv_loop()),
             asyncio.create_task(self._supervise_loop()),
             asyncio.create_task(self._watchdog_loop()),
             asyncio.create_task(server.serve(sockets=sockets)),
@@ -226,11 +465,16 @@ class Daemon:
         await self._stop.wait()
         await self._drain()
         server.should_exit = True
-        await asyncio.sleep(0.2)
+        # let uvicorn send the responses that are ready (the 503s above) and close the connections
+        await asyncio.wait({tasks[-1]}, timeout=uconfig.timeout_graceful_shutdown + 1.0)
         for t in tasks:
             t.cancel()
-        if self.supervisor is not None:
-            self.supervisor.stop_all()
+        for t in list(self._tasks):
+            t.cancel()
+        for slot in (self.pending, self.active, *self.retiring):
+            if slot is not None:
+                await slot.stop()
+        await asyncio.to_thread(self.telemetry.stop)
         if srv.unix_socket:
             Path(srv.unix_socket).unlink(missing_ok=True)
         self.zctx.destroy(linger=0)
@@ -239,18 +483,17 @@ class Daemon:
     async def _drain(self) -> None:
         """Stop accepting, let in-flight requests finish up to shutdown_timeout, abort the rest."""
         self.notifier.send("STOPPING=1")
-        self.draining = True
+        self.stopping = True
+        slot = self.active
+        if slot is None:
+            return
         deadline = time.monotonic() + self.config.server.shutdown_timeout
-        while self.rm.num_in_flight and time.monotonic() < deadline:
+        while slot.rm.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self.rm.reqs):
-            await self.rm.abort(rid)
-        self.rm.fail_all("the server is shutting down", status=503)
-
-    def _reload(self) -> None:
-        self.notifier.send("RELOADING=1")
-        logger.info("SIGHUP: configuration reload is handled by the control plane (not yet); nothing changed")
-        self.notifier.send("READY=1")
+        rids = list(slot.rm.reqs)
+        # fail first (rm.abort would forget them silently and leave their handlers waiting), then abort
+        slot.rm.fail_all("the server is shutting down", status=503)
+        await self._abort_in_scheduler(slot, rids)
 
 
 def _setup_logging(config: DaemonConfig) -> None:

@@ -127,6 +127,7 @@ class ModelSlot:
         while True:
             msg = await self.inbox.recv_pyobj()
             kind = msg.get("type")
+            self._on_message(self, msg)  # first: metrics read the request state before delivery drops it
             if kind in ("heartbeat", "ready", "fatal"):
                 self.supervisor.on_message(msg)
                 if kind == "ready" and self.ready and self.load_seconds is None:
@@ -136,4 +137,3 @@ class ModelSlot:
             elif kind in ("outputs", "error"):
                 for rid in self.rm.deliver(msg):
                     await self.rm.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
-            self._on_message(self, msg)

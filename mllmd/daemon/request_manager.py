@@ -29,6 +29,7 @@ class RequestState:
     queue: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
     finished: bool = False
+    owner: Any = None  # the RequestManager (of one model slot) that holds this request
 
 
 class RequestManager:
@@ -47,7 +48,7 @@ class RequestManager:
         """Send one prompt with n sampling runs (params_list) to the tokenizer; one state per run."""
         group = self.new_rid()
         rids = [f"{group}.{i}" for i in range(n)]
-        states = [RequestState(rid, group) for rid in rids]
+        states = [RequestState(rid, group, owner=self) for rid in rids]
         for s in states:
             self.reqs[s.rid] = s
         self.groups[group] = rids
@@ -98,6 +99,10 @@ class RequestManager:
             state.queue.put_nowait({"error": message, "status": status})
         self.reqs.clear()
         self.groups.clear()
+
+    def close(self) -> None:
+        self.to_tokenizer.close(linger=0)
+        self.to_scheduler.close(linger=0)
 
     def forget_group(self, group: str) -> None:
         self.groups.pop(group, None)

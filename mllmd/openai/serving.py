@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mllmd.openai import responses as R
-from mllmd.openai.errors import APIError
+from mllmd.openai.errors import APIError, service_unavailable
 from mllmd.openai.reasoning_parser import get_reasoning_parser
 from mllmd.openai.tool_parser import ContentDelta, get_tool_parser
 
@@ -33,6 +33,8 @@ class Choice:
 
 
 def raise_if_error(item: dict[str, Any]) -> None:
+    if "error" in item and item.get("status") == 503:  # a lost worker, shutting down: retry later
+        raise service_unavailable(item["error"])
     if "error" in item:
         raise APIError(item.get("status", 500), item["error"], param=item.get("param"),
                        type="invalid_request_error" if item.get("status", 500) < 500 else "server_error")
@@ -211,6 +213,7 @@ async def completion_full(states: list[Any], req: Any, model: str, echo_texts: l
 async def completion_stream(states: list[Any], req: Any, model: str, echo_texts: list[str]) -> AsyncIterator[bytes]:
     cid, created, inc = R.completion_id(), R.now(), req.include_usage
     choices = [Choice() for _ in states]
+    offsets = [len(t) if req.echo else 0 for t in echo_texts]  # text_offset of each choice's next token
     if req.echo:
         for i, t in enumerate(echo_texts):
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, t, None)], include_usage=inc))
@@ -222,7 +225,8 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
         final = bool(item.get("finished"))
         lp = None
         if req.logprobs and item.get("logprobs"):
-            lp = R.completion_logprobs(_token_logprobs(item["logprobs"], req.top_logprobs))
+            lp = R.completion_logprobs(_token_logprobs(item["logprobs"], req.top_logprobs), offsets[i])
+            offsets[i] += sum(len(t) for t in lp["tokens"])
         if item.get("text") or lp or final:
             reason = _finish(choices[i].finish_reason) if final else None
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, item.get("text", ""), reason, lp)], include_usage=inc))

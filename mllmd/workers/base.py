@@ -36,8 +36,14 @@ class WorkerContext:
     def start_heartbeats(self, interval: float) -> None:
         """Tell main we are alive every `interval` seconds (a stopped process sends nothing)."""
 
+        parent = os.getppid()
+
         def beat() -> None:
             while not self._stop.wait(interval):
+                if os.getppid() != parent:  # main died (kill -9): nobody will stop us, so stop now
+                    logging.getLogger(self.name).error("the main process (pid %d) is gone; exiting", parent)
+                    self.stop()
+                    return
                 self.send_main({"type": "heartbeat", "worker": self.name, "pid": os.getpid(), "time": time.time()})
 
         threading.Thread(target=beat, name=f"{self.name}-heartbeat", daemon=True).start()

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import suppress
@@ -36,9 +37,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_TMPDIRS: list[Path] = []
+
+
 def short_tmpdir(prefix: str = "mllmd-t-") -> Path:
-    """A short private directory (AF_UNIX paths are limited to 107 bytes)."""
-    return Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    """A short private directory (AF_UNIX paths are limited to 107 bytes); removed at session end."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    _TMPDIRS.append(d)
+    return d
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_short_tmpdirs() -> Iterator[None]:
+    yield
+    for d in _TMPDIRS:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def children_of(pid: int) -> list[tuple[int, str]]:
@@ -185,6 +198,55 @@ class DaemonProc:
             self.proc.wait(5)
 
 
+class NotifyListener:
+    """A bound AF_UNIX datagram socket (the daemon's NOTIFY_SOCKET), read by a background thread so
+    that the daemon never finds it full; collects (monotonic time, line) for every message."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.05)
+        self.messages: list[tuple[float, str]] = []
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="notify-listener", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while not self._closed.is_set():
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            now = time.monotonic()
+            self.messages.extend((now, line) for line in data.decode(errors="replace").splitlines())
+
+    def drain(self, seconds: float) -> None:
+        """Let `seconds` pass (messages keep being collected)."""
+        time.sleep(seconds)
+
+    def wait_for(self, line: str, timeout: float) -> float:
+        """Wait until `line` has arrived (bounded); returns its arrival time."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for t, got in list(self.messages):
+                if got == line:
+                    return t
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{line!r} not received within {timeout} s; got {self.lines()}")
+            time.sleep(0.02)
+
+    def lines(self) -> list[str]:
+        return [m for _, m in list(self.messages)]
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(2)
+        self.sock.close()
+
+
 def daemon_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MLLMD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
@@ -217,7 +279,7 @@ def start_daemon(
     ]
     if api_key:
         argv += ["--server.api_key", api_key]
-    full_env = daemon_env({"RUNTIME_DIRECTORY": str(workdir), **(env or {})})
+    full_env = daemon_env({"RUNTIME_DIRECTORY": str(workdir), "STATE_DIRECTORY": str(workdir), **(env or {})})
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env, cwd=workdir, start_new_session=True)
@@ -237,10 +299,12 @@ def stop_and_check(d: DaemonProc, timeout: float = STOP_TIMEOUT) -> None:
     kids = [p for p, _ in children_of(pid)]
     code = d.stop(timeout)
     leftovers = [p for p in kids if pid_alive(p)]
+    ipc_dirs = [p.name for p in d.workdir.glob("ipc-*")]
     log = d.log_tail()
     shutil.rmtree(d.workdir, ignore_errors=True)
     assert code == 0, f"daemon exit status {code} after SIGTERM (expected 0 within {timeout} s)\n{log}"
     assert not leftovers, f"worker processes {leftovers} outlived the daemon\n{log}"
+    assert not ipc_dirs, f"the daemon left its IPC directory behind: {ipc_dirs}"
 
 
 @pytest.fixture(scope="session")

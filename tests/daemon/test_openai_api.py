@@ -1,0 +1,355 @@
+"""The OpenAI API end to end, driven by the official `openai` client against the real daemon (CPU).
+
+One daemon serves the whole module (see conftest.py). Checks: models list; chat and completions,
+streaming and not, with exact usage; n=2; stop strings (matched across token boundaries); seed
+reproducibility; logprobs shapes; and the same over the Unix socket with httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-qwen3"
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me a story about Paris."}]
+PROMPT = "The capital of France is"
+IGNORE_EOS = {"ignore_eos": True}
+
+
+def chat_prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> int:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):
+        ids = ids["input_ids"]
+    return len(ids)
+
+
+def text_prompt_tokens(tokenizer: Any, prompt: str) -> int:
+    return len(tokenizer(prompt)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def client(daemon: Any) -> Any:
+    return daemon.openai()
+
+
+# ---- models ----------------------------------------------------------------------------------
+def test_list_models(client: Any) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model"
+    assert isinstance(models.data[0].created, int)
+
+
+# ---- chat ------------------------------------------------------------------------------------
+def test_chat_non_streaming_usage_is_exact(client: Any, tokenizer: Any) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7, extra_body=IGNORE_EOS)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert len(r.choices) == 1
+    c = r.choices[0]
+    assert c.index == 0 and c.finish_reason == "length"
+    assert c.message.role == "assistant" and isinstance(c.message.content, str) and c.message.content
+    assert r.usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+    assert r.usage.completion_tokens == 7
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+
+
+def test_chat_streaming_with_usage(client: Any, tokenizer: Any) -> None:
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=9, stream=True, logprobs=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS,
+    )
+    chunks = list(stream)
+    assert chunks, "no chunks"
+    ids = {ch.id for ch in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    # role chunk first, usage chunk last (choices == []), usage null on all others
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert all(ch.usage is None for ch in body)
+    text = "".join(ch.choices[0].delta.content or "" for ch in body if ch.choices)
+    streamed_tokens = sum(len(ch.choices[0].logprobs.content) for ch in body if ch.choices and ch.choices[0].logprobs)
+    finish = [ch.choices[0].finish_reason for ch in body if ch.choices and ch.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert streamed_tokens == 9
+    assert last.usage.completion_tokens == streamed_tokens
+    assert last.usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+    assert last.usage.total_tokens == last.usage.prompt_tokens + streamed_tokens
+    # the same request without streaming gives the same text (greedy)
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=9, temperature=0,
+                                          extra_body=IGNORE_EOS)
+    greedy = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=9, temperature=0, stream=True,
+                                            extra_body=IGNORE_EOS)
+    assert "".join(ch.choices[0].delta.content or "" for ch in greedy if ch.choices) == full.choices[0].message.content
+    assert text  # something was streamed
+
+
+def test_chat_n2(client: Any) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=2, temperature=1.0,
+                                       extra_body=IGNORE_EOS)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason == "length" and c.message.content for c in r.choices)
+    assert r.usage.completion_tokens == 10
+
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=2, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+    chunks = list(stream)
+    finishes = {ch.choices[0].index: ch.choices[0].finish_reason for ch in chunks
+                if ch.choices and ch.choices[0].finish_reason}
+    assert finishes == {0: "length", 1: "length"}
+    roles = [ch.choices[0].index for ch in chunks if ch.choices and ch.choices[0].delta.role]
+    assert sorted(roles) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_seed_reproducible(client: Any) -> None:
+    def run(seed: int) -> str:
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
+                                           seed=seed, extra_body=IGNORE_EOS)
+        return r.choices[0].message.content
+
+    a, b, c = run(1234), run(1234), run(4321)
+    assert a == b
+    assert a != c
+    # streaming with the same seed gives the same text too
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=1.0,
+                                            seed=1234, stream=True, extra_body=IGNORE_EOS)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == a
+
+
+def test_chat_logprobs_shape(client: Any) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3, extra_body=IGNORE_EOS)
+    c = r.choices[0]
+    content = c.logprobs.content
+    assert len(content) == 6 == r.usage.completion_tokens
+    for e in content:
+        assert isinstance(e.token, str)
+        assert isinstance(e.logprob, float) and e.logprob <= 0.0
+        assert isinstance(e.bytes, list) and all(isinstance(b, int) and 0 <= b < 256 for b in e.bytes)
+        assert len(e.top_logprobs) == 3
+        lps = [t.logprob for t in e.top_logprobs]
+        assert lps == sorted(lps, reverse=True)
+        assert all(isinstance(t.token, str) and isinstance(t.bytes, list) for t in e.top_logprobs)
+        # greedy: the chosen token is the most likely one
+        assert e.top_logprobs[0].token == e.token
+        assert abs(e.top_logprobs[0].logprob - e.logprob) < 1e-4
+    joined = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert joined == c.message.content
+
+    # without top_logprobs: entries still present, top_logprobs empty
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, logprobs=True,
+                                       extra_body=IGNORE_EOS)
+    assert len(r.choices[0].logprobs.content) == 3
+    assert all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
+    # not asked: null
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, extra_body=IGNORE_EOS)
+    assert r.choices[0].logprobs is None
+
+
+# ---- completions -----------------------------------------------------------------------------
+def test_completions_non_streaming_usage_is_exact(client: Any, tokenizer: Any) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, extra_body=IGNORE_EOS)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].finish_reason == "length" and r.choices[0].text
+    assert r.usage.prompt_tokens == text_prompt_tokens(tokenizer, PROMPT)
+    assert r.usage.completion_tokens == 8
+    # token-id prompts count exactly as given
+    ids = tokenizer(PROMPT)["input_ids"] + [11, 12, 13]
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=2, extra_body=IGNORE_EOS)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 2
+    # OpenAI's default of 16 tokens when max_tokens is unset
+    r = client.completions.create(model=MODEL, prompt=PROMPT, extra_body=IGNORE_EOS)
+    assert r.usage.completion_tokens == 16
+
+
+def test_completions_streaming_with_usage(client: Any, tokenizer: Any) -> None:
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=11, stream=True, logprobs=1,
+                                       stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+    chunks = list(stream)
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None
+    assert all(ch.usage is None for ch in body)
+    tokens = [t for ch in body if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert len(tokens) == 11
+    assert last.usage.completion_tokens == 11
+    assert last.usage.prompt_tokens == text_prompt_tokens(tokenizer, PROMPT)
+    assert [ch.choices[0].finish_reason for ch in body if ch.choices and ch.choices[0].finish_reason] == ["length"]
+
+
+def test_completions_n2_and_echo(client: Any) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2, extra_body=IGNORE_EOS)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert r.usage.completion_tokens == 8
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, echo=True, extra_body=IGNORE_EOS)
+    assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
+
+
+def test_completions_seed_reproducible(client: Any) -> None:
+    def run(seed: int) -> str:
+        return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed,
+                                         extra_body=IGNORE_EOS).choices[0].text
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+def test_completions_logprobs_shape(client: Any) -> None:
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
+                                  extra_body=IGNORE_EOS)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert all(isinstance(t, str) for t in lp.tokens)
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs)
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert isinstance(top, dict) and 1 <= len(top) <= 2
+        assert max(top.values()) == pytest.approx(x, abs=1e-4)  # greedy: chosen is the most likely
+        assert tok in top
+    expected = [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    assert lp.text_offset == expected
+    # echo: offsets start after the prompt
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=0, echo=True,
+                                  extra_body=IGNORE_EOS)
+    assert r.choices[0].logprobs.text_offset[0] == len(PROMPT)
+
+
+def test_completions_streaming_logprobs_offsets(client: Any) -> None:
+    """In a stream, text_offset counts the text already sent (it does not restart in every chunk)."""
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, logprobs=1, stream=True,
+                                       extra_body=IGNORE_EOS)
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for ch in stream:
+        if ch.choices and ch.choices[0].logprobs:
+            tokens += ch.choices[0].logprobs.tokens
+            offsets += ch.choices[0].logprobs.text_offset
+    assert len(tokens) == 8
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(8)]
+
+
+# ---- stop strings ----------------------------------------------------------------------------
+def _pick_stop(tokens: list[str], text: str) -> tuple[str, int]:
+    """A 2-character stop string that spans a token boundary, and where it first occurs in text."""
+    assert "".join(tokens) == text or "\ufffd" in text
+    offset = 0
+    candidates = []
+    for tok in tokens[:-1]:
+        offset += len(tok)
+        if offset < 2 or offset >= len(text) - 1:
+            continue
+        s = text[offset - 1 : offset + 1]
+        if "\ufffd" in s or not s.strip():
+            continue
+        first = text.find(s)
+        if first > 0:
+            candidates.append((s, first))
+    assert candidates, f"no usable stop string in {text!r}"
+    return candidates[len(candidates) // 2]
+
+
+def test_stop_string_completions(client: Any) -> None:
+    first = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, logprobs=0,
+                                      extra_body=IGNORE_EOS)
+    text = first.choices[0].text
+    stop, at = _pick_stop(first.choices[0].logprobs.tokens, text)
+    second = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=stop,
+                                       extra_body=IGNORE_EOS)
+    assert second.choices[0].text == text[:at], (stop, text)
+    assert second.choices[0].finish_reason == "stop"
+    # streaming, stop given as a list with a string that never occurs
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                       stop=["\u2603never\u2603", stop], stream=True, extra_body=IGNORE_EOS)
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text[:at]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+
+
+def test_stop_string_chat(client: Any) -> None:
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0,
+                                           logprobs=True, extra_body=IGNORE_EOS)
+    text = first.choices[0].message.content
+    stop, at = _pick_stop([e.token for e in first.choices[0].logprobs.content], text)
+    second = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stop=[stop],
+                                            extra_body=IGNORE_EOS)
+    assert second.choices[0].message.content == text[:at], (stop, text)
+    assert second.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, stop=stop,
+                                            stream=True, extra_body=IGNORE_EOS)
+    chunks = list(stream)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text[:at]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["stop"]
+    # the daemon is still serving normally after stop-string aborts
+    after = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, extra_body=IGNORE_EOS)
+    assert after.usage.completion_tokens == 3
+
+
+# ---- native /generate ------------------------------------------------------------------------
+def test_generate_native(daemon: Any) -> None:
+    with daemon.http() as h:
+        r = h.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert isinstance(body["text"], str) and body["meta_info"]["completion_tokens"] == 5
+        assert body["meta_info"]["finish_reason"]["type"] == "length"
+        with h.stream("POST", "/generate", json={"input_ids": [1, 2, 3], "stream": True,
+                                                  "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}) as s:
+            assert s.status_code == 200
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        final = json.loads(lines[-2][6:])
+        assert final["meta_info"]["completion_tokens"] == 4 and final["meta_info"]["prompt_tokens"] == 3
+
+
+# ---- Unix socket -----------------------------------------------------------------------------
+def test_unix_socket_mode(daemon: Any) -> None:
+    st = os.stat(daemon.uds)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_unix_socket_httpx(daemon: Any, tokenizer: Any) -> None:
+    with daemon.uds_http() as h:
+        r = h.get("/health")
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert [m["id"] for m in h.get("/v1/models").json()["data"]] == [MODEL]
+        r = h.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 4,
+                                                 "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 4
+        assert r.json()["usage"]["prompt_tokens"] == chat_prompt_tokens(tokenizer, MESSAGES)
+        # raw SSE framing: data lines, a usage chunk, then [DONE]
+        with h.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                                       "stream": True, "stream_options": {"include_usage": True},
+                                                       "ignore_eos": True}) as s:
+            assert s.status_code == 200
+            assert s.headers["content-type"].startswith("text/event-stream")
+            events = [ln for ln in s.iter_lines() if ln]
+        assert all(ln.startswith("data: ") for ln in events)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 3
+
+
+def test_unix_socket_openai_client(daemon: Any) -> None:
+    with httpx.Client(transport=httpx.HTTPTransport(uds=daemon.uds), timeout=60) as h:
+        client = daemon.openai(http_client=h, base_url="http://localhost/v1")
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                           extra_body=IGNORE_EOS)
+        assert r.usage.completion_tokens == 4
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                                stream=True, stream_options={"include_usage": True},
+                                                extra_body=IGNORE_EOS)
+        chunks = list(stream)
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == r.choices[0].message.content
+        assert chunks[-1].usage.completion_tokens == 4
+        c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=IGNORE_EOS)
+        assert c.usage.completion_tokens == 2

@@ -1,0 +1,174 @@
+"""Qwen3 thinking and tool-call parsing end to end, on scripted model output.
+
+The daemon runs with MLLMD_TESTING_SCRIPT (see mllmd/testing/scripted.py): the scheduler's sampler
+emits the scripts below in turn (request k gets script k mod 3), then EOS. Each response is matched
+to its script by its reasoning text, so the tests do not depend on the order requests arrive in;
+sending three requests in a row covers every script.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import short_tmpdir, start_daemon, stop_and_check
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "tiny-qwen3"
+TOOL = (
+    '<think>\nI should call a tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    '{"city": "Paris"}}\n</tool_call>'
+)
+ANSWER = "<think>\nThe user says hi.\nSo I greet them.\n</think>\n\nHello! How can I help? \u00e9\u4f60\u597d"
+TWO_TOOLS = (
+    '<think>\nTwo cities.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}}\n'
+    "</tool_call>"
+)
+SCRIPTS = [TOOL, ANSWER, TWO_TOOLS]
+# reasoning text -> (script, expected content, expected tool calls)
+EXPECTED: dict[str, tuple[str, str | None, list[dict[str, Any]]]] = {
+    "I should call a tool.": (TOOL, None, [{"name": "get_weather", "arguments": {"city": "Paris"}}]),
+    "The user says hi.\nSo I greet them.": (ANSWER, "Hello! How can I help? \u00e9\u4f60\u597d", []),
+    "Two cities.": (TWO_TOOLS, None, [{"name": "get_weather", "arguments": {"city": "Paris"}},
+                                      {"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}}]),
+}
+TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                       "required": ["city"]},
+    },
+}]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_model: Path) -> Any:
+    d = short_tmpdir()
+    script = d / "script.json"
+    script.write_text(json.dumps(SCRIPTS))
+    daemon = start_daemon(tiny_model, "--server.reasoning_parser", "qwen3", "--server.tool_call_parser", "qwen3",
+                          env={"MLLMD_TESTING_SCRIPT": str(script)})
+    yield daemon
+    stop_and_check(daemon)
+
+
+@pytest.fixture(scope="module")
+def client(scripted: Any) -> Any:
+    return scripted.openai()
+
+
+def _check(reasoning: str | None, content: str | None, calls: list[dict[str, Any]], finish: str,
+           completion_tokens: int | None, tokenizer: Any) -> str:
+    assert reasoning in EXPECTED, f"unexpected reasoning {reasoning!r} (content {content!r})"
+    script, want_content, want_calls = EXPECTED[reasoning]
+    assert (content or None) == want_content
+    assert [{"name": c["name"], "arguments": json.loads(c["arguments"])} for c in calls] == want_calls
+    assert all(c["id"] and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == len(calls)
+    assert finish == ("tool_calls" if want_calls else "stop")
+    if completion_tokens is not None:  # the script, then EOS
+        assert completion_tokens == len(tokenizer.encode(script, add_special_tokens=False)) + 1
+    return script
+
+
+def test_scripted_non_streaming(client: Any, tokenizer: Any) -> None:
+    seen = set()
+    for _ in range(len(SCRIPTS)):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
+        c = r.choices[0]
+        reasoning = (c.message.model_extra or {}).get("reasoning_content")
+        calls = [{"id": t.id, "type": t.type, "name": t.function.name, "arguments": t.function.arguments}
+                 for t in c.message.tool_calls or []]
+        seen.add(_check(reasoning, c.message.content, calls, c.finish_reason, r.usage.completion_tokens, tokenizer))
+    assert seen == set(SCRIPTS)
+
+
+def test_scripted_streaming(client: Any, tokenizer: Any) -> None:
+    seen = set()
+    for _ in range(len(SCRIPTS)):
+        stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200,
+                                                stream=True, stream_options={"include_usage": True})
+        reasoning, content = [], []
+        calls: dict[int, dict[str, Any]] = {}
+        finish = []
+        usage = None
+        n_chunks = 0
+        for ch in stream:
+            n_chunks += 1
+            if ch.usage is not None:
+                usage = ch.usage
+            if not ch.choices:
+                continue
+            delta = ch.choices[0].delta
+            extra = delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                reasoning.append(extra["reasoning_content"])
+            if delta.content:
+                content.append(delta.content)
+            for tc in delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": None, "type": None, "name": "", "arguments": ""})
+                if tc.id:
+                    assert entry["id"] is None, "a tool call's id is sent once"
+                    entry["id"], entry["type"] = tc.id, tc.type
+                if tc.function and tc.function.name:
+                    entry["name"] += tc.function.name
+                if tc.function and tc.function.arguments:
+                    entry["arguments"] += tc.function.arguments
+            if ch.choices[0].finish_reason:
+                finish.append(ch.choices[0].finish_reason)
+        assert len(finish) == 1, finish
+        assert usage is not None
+        text = "".join(reasoning)
+        ordered = [calls[i] for i in sorted(calls)]
+        assert sorted(calls) == list(range(len(calls)))
+        seen.add(_check(text, "".join(content) or None, ordered, finish[0], usage.completion_tokens, tokenizer))
+        assert n_chunks > 3  # really streamed in pieces
+    assert seen == set(SCRIPTS)
+
+
+def test_scripted_without_tools_keeps_text(client: Any) -> None:
+    """Without `tools` the tool-call markup stays in the content; reasoning is still split off."""
+    seen = set()
+    for _ in range(len(SCRIPTS)):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=200)
+        c = r.choices[0]
+        reasoning = (c.message.model_extra or {}).get("reasoning_content")
+        assert reasoning in EXPECTED
+        script = EXPECTED[reasoning][0]
+        seen.add(script)
+        assert not c.message.tool_calls
+        assert c.finish_reason == "stop"
+        assert c.message.content == script.split("</think>\n\n", 1)[1]
+    assert seen == set(SCRIPTS)
+
+
+def test_scripted_tool_choice_none(client: Any) -> None:
+    seen = set()
+    for _ in range(len(SCRIPTS)):
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                           max_tokens=200)
+        c = r.choices[0]
+        assert not c.message.tool_calls and c.finish_reason == "stop"
+        seen.add(EXPECTED[(c.message.model_extra or {}).get("reasoning_content")][0])
+    assert seen == set(SCRIPTS)
+
+
+def test_scripted_completions_are_raw(scripted: Any) -> None:
+    """/v1/completions does no parsing: the text is the script verbatim (special tags included)."""
+    seen = set()
+    with scripted.http() as h:
+        for _ in range(len(SCRIPTS)):
+            r = h.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 200})
+            assert r.status_code == 200, r.text
+            text = r.json()["choices"][0]["text"]
+            assert text in SCRIPTS
+            seen.add(text)
+    assert seen == set(SCRIPTS)
