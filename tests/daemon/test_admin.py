@@ -250,3 +250,55 @@ def test_hot_swap_under_load_and_restart_memory(models_dir: Path, tmp_path: Path
         assert d3.wait_health(503, 30)["state"] == "idle"
     finally:
         stop_and_check(d3)
+
+
+def test_fake_tegrastats_drives_metrics(models_dir: Path) -> None:
+    """A fake tegrastats on the configured path feeds the Jetson gauges of /metrics end to end."""
+    fake = Path(__file__).resolve().parents[1] / "telemetry" / "fake_tegrastats"
+    d = start_daemon(models_dir / "alpha", "--telemetry.tegrastats_path", str(fake), "--telemetry.interval", "0.2")
+    try:
+        deadline = time.monotonic() + 20
+        metrics: dict[str, list[Any]] = {}
+        while time.monotonic() < deadline:
+            metrics = _parse_metrics(httpx.get(f"{d.base_url}/metrics").text)
+            if "mllmd_gpu_utilization_ratio" in metrics:
+                break
+            time.sleep(0.3)
+        for name in ("mllmd_gpu_utilization_ratio", "mllmd_gpu_frequency_hertz", "mllmd_temperature_celsius",
+                     "mllmd_power_watts", "mllmd_emc_frequency_hertz", "mllmd_swap_total_bytes"):
+            assert name in metrics, f"{name} missing: {sorted(metrics)}"
+        assert all(0 <= s.value <= 1 for s in metrics["mllmd_gpu_utilization_ratio"])
+        assert json.loads(ctl(d, "status", "--json").stdout)["telemetry_sources"] == ["procfs", "tegrastats"]
+    finally:
+        stop_and_check(d)
+
+
+def test_sighup_and_reload_apply_live_keys(models_dir: Path, tmp_path: Path) -> None:
+    import signal
+
+    cfg = tmp_path / "mllmd.yaml"
+    cfg.write_text("server:\n  max_queued_requests: 7\n")
+    d = start_daemon(models_dir / "alpha", "--config", str(cfg))
+    try:
+        assert json.loads(ctl(d, "status", "--json").stdout)["config"]["server"]["max_queued_requests"] == 7
+        cfg.write_text("server:\n  max_queued_requests: 9\n  port: 1\nscheduler:\n  max_running_requests: 3\n")
+        # (port: 1 is also on the command line, which wins over the file: it does not change)
+        os.kill(d.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while json.loads(ctl(d, "status", "--json").stdout)["config"]["server"]["max_queued_requests"] != 9:
+            assert time.monotonic() < deadline, d.log_tail()
+            time.sleep(0.2)
+        status = json.loads(ctl(d, "status", "--json").stdout)
+        assert status["config"]["server"]["port"] == d.port
+        assert status["config"]["scheduler"]["max_running_requests"] != 3  # needs a model load: not applied
+        cfg.write_text("server:\n  max_queued_requests: 11\ntelemetry:\n  interval: 2.5\n")
+        r = d.uds_http().post("/admin/reload")
+        body = r.json()
+        assert r.status_code == 200 and body["applied"] == ["server.max_queued_requests"]
+        assert body["needs_restart"] == ["telemetry.interval"]
+        cfg.write_text("server:\n  max_queued_requests: -5\n")
+        r = d.uds_http().post("/admin/reload")
+        assert r.status_code == 400 and "max_queued_requests" in r.json()["error"]["message"]
+        assert d.health()[0] == 200
+    finally:
+        stop_and_check(d)

@@ -1,0 +1,96 @@
+"""The serving benchmark's dataset run through the in-process engine (no HTTP, no workers).
+
+python -m mllmd.bench.offline --model-path DIR [the dataset options of mllmd.bench.serving]
+
+Same requests (`--token-ids-prompt` or `--tokenizer`), same `--max-concurrency`, same metrics and
+JSON keys as `mllmd.bench.serving`, so the two results show what the multi-process daemon adds:
+the `overhead` block compares them when `--serving-result FILE` names a serving result line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import deque
+from typing import Any
+
+from mllmd.bench.serving import RequestResult, build_requests, compute_metrics, parse_args
+from mllmd.bench.serving_datasets import BenchRequest
+
+
+def run_offline(llm: Any, requests: list[BenchRequest], concurrency: int, temperature: float,
+                ignore_eos: bool) -> tuple[list[RequestResult], float]:
+    """Keep up to `concurrency` requests in the engine; time every token as the engine emits it."""
+    from mllmd import SamplingParams
+
+    engine = llm.engine
+    todo = deque(enumerate(requests))
+    results = [RequestResult() for _ in requests]
+    last: dict[str, float] = {}
+    in_flight: dict[str, int] = {}
+    start = time.perf_counter()
+    while todo or in_flight:
+        while todo and len(in_flight) < concurrency:
+            i, req = todo.popleft()
+            ids = req.prompt if isinstance(req.prompt, list) else llm.tokenizer.encode(req.prompt)
+            rid = f"offline-{i}"
+            params = SamplingParams(max_tokens=req.output_len, temperature=temperature, ignore_eos=ignore_eos)
+            results[i].start = time.perf_counter()
+            results[i].prompt_tokens = len(ids)
+            engine.add_request(rid, ids, params)
+            in_flight[rid] = i
+        for out in engine.step():
+            i = in_flight[out.rid]
+            res, now = results[i], time.perf_counter()
+            if out.new_token_ids:
+                if res.output_tokens == 0:
+                    res.ttft = now - res.start
+                else:
+                    res.itl.append(now - last[out.rid])
+                last[out.rid] = now
+                res.output_tokens += len(out.new_token_ids)
+                res.chunks += 1
+            if out.finished:
+                res.latency, res.success, res.usage = now - res.start, True, True
+                del in_flight[out.rid]
+    return results, time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argparse.ArgumentParser(add_help=False)
+    extra.add_argument("--model-path", required=True)
+    extra.add_argument("--serving-result", default=None, help="a JSON line from mllmd.bench.serving to compare")
+    ours, rest = extra.parse_known_args(argv)
+    args = parse_args(rest)
+    from mllmd import LLM
+
+    llm = LLM(ours.model_path, max_running_requests=max(args.max_concurrency or 64, 1))
+    requests = build_requests(args)
+    run_offline(llm, requests[: args.warmup_requests], 1, args.temperature, not args.no_ignore_eos)
+    llm.engine.flush_cache()
+    concurrency = args.max_concurrency or len(requests)
+    results, duration = run_offline(llm, requests, concurrency, args.temperature, not args.no_ignore_eos)
+    result: dict[str, Any] = {"benchmark": "offline", "model_path": ours.model_path, "max_concurrency": concurrency,
+                              "num_prompts": len(requests), **compute_metrics(requests, results, duration)}
+    if ours.serving_result:
+        with open(ours.serving_result, encoding="utf-8") as f:
+            serving = json.loads(f.read().strip().splitlines()[-1])
+        result["overhead"] = {
+            "throughput_ratio": serving["output_throughput"] / result["output_throughput"],
+            "added_mean_ttft_ms": serving["mean_ttft_ms"] - result["mean_ttft_ms"],
+            "added_p50_ttft_ms": serving["p50_ttft_ms"] - result["p50_ttft_ms"],
+            "added_mean_itl_ms": serving["mean_itl_ms"] - result["mean_itl_ms"],
+        }
+    line = json.dumps(result)
+    print(line)
+    if args.result_filename:
+        with open(args.result_filename, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
