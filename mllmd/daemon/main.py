@@ -27,7 +27,13 @@ from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
 from mllmd.daemon.metrics import Metrics
 from mllmd.daemon.model_slot import ModelSlot
-from mllmd.daemon.models import ModelError, check_loadable, inspect_model, resolve_in_models_dirs
+from mllmd.daemon.models import (
+    ModelError,
+    check_loadable,
+    check_ml_stack,
+    inspect_model,
+    resolve_in_models_dirs,
+)
 from mllmd.daemon.supervisor import WorkerPolicy
 from mllmd.openai.errors import APIError, service_unavailable
 from mllmd.telemetry.collector import TelemetryCollector
@@ -196,6 +202,7 @@ class Daemon:
         """Validate, then start loading `path` in a new slot (a hot swap if a model is active)."""
         if self.pending is not None:
             raise ModelError(f"a load is already in progress ({self.pending.engine.model_path})")
+        check_ml_stack()
         facts = inspect_model(path)
         check_loadable(facts)
         try:

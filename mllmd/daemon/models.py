@@ -187,16 +187,20 @@ def _mem_available() -> int | None:
     return None
 
 
-def check_loadable(facts: ModelFacts, budget_bytes: int | None = None) -> None:
-    """Refuse a model we cannot run: unsupported architecture, missing ML stack, too big for memory."""
-    if facts.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture {facts.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+def check_ml_stack() -> None:
+    """Refuse any load when the ML stack cannot be imported (checked first: it is about the machine)."""
     for module in ("torch", "transformers", "safetensors"):
         if importlib.util.find_spec(module) is None:
             raise ModelError(f"the ML stack is not installed: Python module {module!r} is missing "
                              "(install PyTorch for this device; see the README)")
+
+
+def check_loadable(facts: ModelFacts, budget_bytes: int | None = None) -> None:
+    """Refuse a model we cannot run: unsupported architecture, too big for memory."""
+    if facts.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {facts.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     budget = budget_bytes if budget_bytes is not None else _mem_available()
     if budget is not None:
         need = facts.weight_bytes + (facts.kv_bytes_per_token or 0) * MIN_KV_TOKENS

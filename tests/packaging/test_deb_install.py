@@ -296,6 +296,7 @@ def _exercise_daemon(ch, phase: Phases) -> None:
 
         model = build_tiny_checkpoint(ch.dir / "model-src", "Qwen3-0.6B", seed=1)
         shutil.copytree(model, ch.path("/var/lib/mllmd/models/tiny-qwen3"))
+        ch.sh("chmod -R a+rX /var/lib/mllmd/models/tiny-qwen3")  # as an administrator's copy would be
         if admin:
             done = ch.sh("mllmctl load-model /var/lib/mllmd/models/tiny-qwen3 --wait --wait-timeout 120",
                          check=False, timeout=180)
