@@ -49,6 +49,7 @@ class EngineConfig:
     disable_cuda_graph: bool = _f("runtime", False, "run decode without CUDA graphs")
     random_seed: int = _f("runtime", 0, "seed for requests that give none")
     cpu_kv_cache_max_tokens: int = _f("runtime", 131072, "cap on the default KV-cache size on CPU")
+    cpu_threads: int | None = _f("runtime", None, "torch threads on CPU; null: all cores (offline), all but one (daemon)")
 
     def __post_init__(self) -> None:
         validate(self)
@@ -121,6 +122,7 @@ def validate(cfg: EngineConfig) -> None:
     at_least("max_prefill_tokens", 1)
     at_least("chunked_prefill_size", 0)
     at_least("cpu_kv_cache_max_tokens", 2)
+    at_least("cpu_threads", 1)
     if cfg.page_size != 1:
         raise ConfigError(_key("page_size"), f"only 1 is supported; got {cfg.page_size}")
     if not 0.0 < cfg.mem_fraction_static < 1.0:

@@ -91,6 +91,8 @@ class ModelRunner:
 
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu" and config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
         hf_config = AutoConfig.from_pretrained(config.model_path)
         dtype = resolve_dtype(config.dtype, hf_config, self.device)
         model_cls = get_model_class(getattr(hf_config, "architectures", None))

@@ -55,7 +55,10 @@ def run(wctx: WorkerContext) -> None:
     from mllmd.config import EngineConfig
     from mllmd.engine.engine import Engine
 
-    engine = Engine(EngineConfig(**wctx.settings["engine"]))
+    config = EngineConfig(**wctx.settings["engine"])
+    if config.cpu_threads is None:  # leave a core to main, tokenizer and detokenizer
+        config = config.replace(cpu_threads=max(1, (os.cpu_count() or 1) - 1))
+    engine = Engine(config)
     if os.environ.get("MLLMD_TESTING_SCRIPT"):  # test-only: scripted model output
         from mllmd.testing.scripted import install_from_env
 
