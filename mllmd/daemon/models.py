@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from mllmd.models import SUPPORTED_ARCHITECTURES
+from mllmd.models.weight_files import INDEX_NAME, WeightFilesError, weight_files
 
-INDEX_NAME = "model.safetensors.index.json"
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 MIN_KV_TOKENS = 2048
@@ -83,22 +83,11 @@ def quantization_of(config: dict[str, Any]) -> str | None:
     return f"compressed-tensors:{fmt}"
 
 
-def weight_files(root: Path) -> list[Path]:
-    index = root / INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError):
-            raise ModelError(f"{INDEX_NAME} is not a valid safetensors index") from None
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (root / n).is_file()]
-        if missing:
-            raise ModelError(f"weights are incomplete: {INDEX_NAME} names missing files {', '.join(missing)}")
-        return [root / n for n in names]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"no weights: {root} has no *.safetensors files")
-    return files
+def _weight_files(root: Path) -> list[Path]:
+    try:
+        return weight_files(root)
+    except WeightFilesError as e:
+        raise ModelError(str(e)) from None
 
 
 def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
@@ -114,7 +103,7 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
         raise ModelError(f"config.json is unreadable: {e}") from None
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
-    files = weight_files(root)
+    files = _weight_files(root)
     params = weight_bytes = 0
     dtypes: dict[str, int] = {}
     index = root / INDEX_NAME

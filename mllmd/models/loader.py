@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-INDEX_NAME = "model.safetensors.index.json"
+from mllmd.models.weight_files import INDEX_NAME, weight_files
 
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in index order; error if none or if the index lies."""
-    root = Path(model_dir)
-    index = root / INDEX_NAME
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (root / f).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{index} names missing weight files: {', '.join(missing)}")
-        return [root / f for f in files]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {root}")
-    return files
+__all__ = ["INDEX_NAME", "iter_weights", "weight_files"]
 
 
 def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
