@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -29,14 +28,15 @@ class AdminApi:
         self.d = daemon
 
     def _authorise(self, request: Request) -> None:
+        from mllmd.daemon.http_app import bearer_matches
+
         if from_unix_socket(request):
             return  # the socket's mode (0660, group mllmd) is the access control
         key = self.d.config.admin_api_key
         if not key:
             raise APIError(403, "the admin API is only available on the Unix socket (set server.admin_api_key "
                            "to allow it over TCP)", "permission_error", None, "admin_forbidden")
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if not bearer_matches(request, key):
             raise unauthorized("Missing or invalid admin key: send 'Authorization: Bearer <admin key>'.")
 
     async def _body(self, request: Request) -> dict[str, Any]:

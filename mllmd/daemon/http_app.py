@@ -30,6 +30,12 @@ if TYPE_CHECKING:
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+def bearer_matches(request: Request, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
 def error_response(e: APIError) -> JSONResponse:
     headers = {}
     retry = getattr(e, "retry_after", None)
@@ -63,9 +69,7 @@ class Api:
         key = self.d.config.api_key
         if not key:
             return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        if not bearer_matches(request, key):
             raise unauthorized("Missing or invalid API key: send 'Authorization: Bearer <key>'.")
 
     def _check_model(self, model: str | None) -> None:

@@ -124,9 +124,6 @@ class Scheduler:
             self.stats.cached_prompt_tokens += req.cached_tokens
         return True
 
-    def _unadmit(self, req: Req) -> None:
-        self.release(req)
-
     # ---- one step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         reqs: list[Req] = []
@@ -166,17 +163,17 @@ class Scheduler:
             remaining = len(req.token_ids) - req.kv_len
             n = min(remaining, self._chunk_cap(budget))
             if self.chunk_size is None and n < remaining and reqs:
-                self._unadmit(req)  # unchunked prompt does not fit this step's budget: next step
+                self.release(req)  # unchunked prompt does not fit this step's budget: next step
                 break
             if self.chunk_size is None:
                 n = remaining  # a lone unchunked prompt may exceed the budget
             headroom = len(self.running)  # keep room for the next step's decodes
             if self.allocator.available_size() + self.cache.evictable_size() < n + headroom:
-                self._unadmit(req)
+                self.release(req)
                 break
             got = self._alloc(n)
             if got is None:
-                self._unadmit(req)
+                self.release(req)
                 break
             self.waiting.popleft()
             req.status = ReqStatus.RUNNING
