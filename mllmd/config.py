@@ -47,6 +47,7 @@ class EngineConfig:
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
     mem_fraction_static: float = _f("runtime", 0.85, "fraction of device memory for weights + KV cache")
     disable_cuda_graph: bool = _f("runtime", False, "run decode without CUDA graphs")
+    cuda_graph_max_bs: int = _f("runtime", 64, "largest decode batch run as a CUDA graph (bigger ones run eagerly)")
     random_seed: int = _f("runtime", 0, "seed for requests that give none")
     cpu_kv_cache_max_tokens: int = _f("runtime", 131072, "cap on the default KV-cache size on CPU")
     cpu_threads: int | None = _f("runtime", None, "torch threads on CPU; null: all cores (offline), all but one (daemon)")
@@ -123,6 +124,7 @@ def validate(cfg: EngineConfig) -> None:
     at_least("chunked_prefill_size", 0)
     at_least("cpu_kv_cache_max_tokens", 2)
     at_least("cpu_threads", 1)
+    at_least("cuda_graph_max_bs", 1)
     if cfg.page_size != 1:
         raise ConfigError(_key("page_size"), f"only 1 is supported; got {cfg.page_size}")
     if not 0.0 < cfg.mem_fraction_static < 1.0:

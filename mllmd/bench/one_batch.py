@@ -4,8 +4,14 @@ python -m mllmd.bench.one_batch --model-path DIR --batch-size 1 16 --input-len 1
     --baseline hf --result-filename results.jsonl
 
 Appends one JSON line per (batch size, input len, output len) case. With `--baseline hf` the same
-case is timed with Hugging Face transformers' `generate` on the same weights in the same run, and
-each line carries the ratio (ours / transformers) of decode and prefill throughput.
+case is timed with Hugging Face transformers' `generate` on the same weights in the same run (on
+CUDA with the static cache unless --hf-cache says otherwise), and each line carries the ratio
+(ours / transformers) of decode and prefill throughput.
+
+On CUDA the device copy bandwidth is measured in the same run, and each line carries
+`roofline_fraction`: the bytes a decode step must read (the weights it multiplies with, plus the KV
+cache of every sequence at its mean length) over that bandwidth, divided by the measured median
+step. `--profile DIR` writes a torch profiler trace of each case's decode steps there.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,13 +53,41 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of 20."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def weight_bytes_per_step(model: Any) -> int:
+    """Bytes of parameters a decode step reads in full: all but the embedding table, which only has
+    its looked-up rows read, unless it doubles as the (tied) lm_head."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if getattr(model, "lm_head", None) is not None:
+        emb = model.model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
 def random_prompts(bs: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, min(vocab, 150000), (bs, input_len), generator=g).tolist()
 
 
-def time_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> CaseTiming:
-    """Prefill every prompt in one step, then time each decode step."""
+def time_engine(llm: LLM, prompts: list[list[int]], output_len: int, profile_path: str | None = None) -> CaseTiming:
+    """Prefill every prompt in one step, then time each decode step (optionally under the profiler)."""
     engine = llm.engine
     device = engine.runner.device
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -64,11 +99,23 @@ def time_engine(llm: LLM, prompts: list[list[int]], output_len: int) -> CaseTimi
     _sync(device)
     prefill = time.perf_counter() - t0
     decodes = []
-    while engine.has_unfinished():
-        t0 = time.perf_counter()
-        engine.step()
-        _sync(device)
-        decodes.append(time.perf_counter() - t0)
+    prof = None
+    if profile_path is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        prof = profile(activities=acts)
+        prof.__enter__()
+    try:
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            _sync(device)
+            decodes.append(time.perf_counter() - t0)
+    finally:
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(profile_path)
     engine.flush_cache()
     return CaseTiming(prefill, decodes)
 
@@ -108,8 +155,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--baseline", choices=["none", "hf"], default="none")
-    ap.add_argument("--hf-cache", default=None, help="transformers cache_implementation (e.g. static)")
+    ap.add_argument("--hf-cache", default=None, help="transformers cache_implementation: static (default on CUDA) or default (the dynamic cache)")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace per case here")
+    ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: exactly what the cases need)")
     args = ap.parse_args(argv)
 
     max_bs = max(args.batch_size)
@@ -119,13 +170,24 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         device=args.device,
         max_running_requests=max_bs,
-        max_total_tokens=max_bs * max_tokens + 16,
+        max_total_tokens=args.max_total_tokens or max_bs * max_tokens + 16,
         max_prefill_tokens=max_bs * max(args.input_len),
         chunked_prefill_size=0,
         disable_radix_cache=True,
         random_seed=args.seed,
+        attention_backend=args.attention_backend,
+        disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=max(max_bs, 1),
     )
     info = llm.engine.info
+    runner = llm.engine.runner
+    is_cuda = info.device.type == "cuda"
+    bandwidth = measure_copy_bandwidth(info.device) if is_cuda else None
+    step_weight_bytes = weight_bytes_per_step(runner.model)
+    kv_per_token = runner.kv_pool.bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype)
+    hf_cache = args.hf_cache or ("static" if is_cuda else None)
+    if hf_cache == "default":  # transformers' dynamic cache
+        hf_cache = None
     hf_model = None
     if args.baseline == "hf":
         from transformers import AutoModelForCausalLM
@@ -136,29 +198,46 @@ def main(argv: list[str] | None = None) -> None:
         warm = random_prompts(min(max_bs, 2), 16, info.vocab_size, args.seed)
         time_engine(llm, warm, 4)
         if hf_model is not None:
-            time_hf(hf_model, warm, 4, args.hf_cache)
+            time_hf(hf_model, warm, 4, hf_cache)
 
     for bs, ilen, olen in itertools.product(args.batch_size, args.input_len, args.output_len):
         prompts = random_prompts(bs, ilen, info.vocab_size, args.seed)
         line: dict[str, Any] = {"run_name": args.run_name, "batch_size": bs, "input_len": ilen, "output_len": olen}
-        ours = time_engine(llm, prompts, olen).summary(bs, ilen, olen)
+        trace = None
+        if args.profile:
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            trace = str(Path(args.profile) / f"trace-bs{bs}-in{ilen}-out{olen}.json")
+        ours = time_engine(llm, prompts, olen, trace).summary(bs, ilen, olen)
         line.update(ours)
         line.update(
             {
                 "device": str(info.device),
                 "dtype": str(info.dtype).replace("torch.", ""),
-                "cuda_graph": False,
+                "attention_backend": type(runner.attn_backend).__name__,
+                "cuda_graph": runner.graph_runner is not None,
+                "quantization": info.quantization,
                 "weight_bytes": info.weight_bytes,
+                "weight_bytes_per_step": step_weight_bytes,
                 "threads": torch.get_num_threads(),
             }
         )
+        if bandwidth is not None:
+            kv_bytes = bs * (ilen + olen / 2) * kv_per_token  # mean context over the decode steps
+            floor = (step_weight_bytes + kv_bytes) / bandwidth
+            line["copy_bandwidth_gbps"] = bandwidth / 1e9
+            line["kv_bytes_per_step"] = int(kv_bytes)
+            line["roofline_step_latency"] = floor
+            line["roofline_fraction"] = floor / ours["median_decode_latency"]
+        if trace is not None:
+            line["profile_trace"] = trace
         if hf_model is not None:
-            hf = time_hf(hf_model, prompts, olen, args.hf_cache).summary(bs, ilen, olen)
+            hf = time_hf(hf_model, prompts, olen, hf_cache).summary(bs, ilen, olen)
             line["hf_prefill_latency"] = hf["prefill_latency"]
             line["hf_median_decode_latency"] = hf["median_decode_latency"]
             line["hf_decode_throughput"] = hf["median_decode_throughput"]
             line["hf_ratio"] = ours["median_decode_throughput"] / hf["median_decode_throughput"]
             line["hf_prefill_ratio"] = ours["prefill_throughput"] / hf["prefill_throughput"]
+            line["hf_cache"] = hf_cache
         text = json.dumps(line)
         print(text, flush=True)
         with open(args.result_filename, "a") as f:

@@ -11,6 +11,7 @@ import time
 import torch
 
 from mllmd.config import EngineConfig
+from mllmd.engine.device_io import fetch
 from mllmd.engine.model_runner import ModelRunner
 from mllmd.engine.prefix_cache import ChunkCache, PrefixCache, RadixCache
 from mllmd.engine.request import AdmissionError, Req, ReqStatus, RequestOutput
@@ -115,10 +116,11 @@ class Engine:
             self.runner.device,
         )
         out = self.sampler(logits, info)
-        next_ids = out.next_token_ids.tolist()
-        chosen_lp = out.logprobs.tolist() if out.logprobs is not None else None
-        top_ids = out.top_logprob_ids.tolist() if out.top_logprob_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        # the step's one wait for the device: sampled ids (and logprobs) through pinned memory
+        next_ids, chosen_lp, top_ids, top_lps = fetch(
+            [out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs]
+        )
+        assert next_ids is not None
         now = time.monotonic()
         results = []
         for i, req in enumerate(reqs):

@@ -13,6 +13,8 @@ import torch
 
 from mllmd.config import EngineConfig
 from mllmd.engine.attention import create_attention_backend
+from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
+from mllmd.engine.device_io import to_device
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.scheduler import ScheduledBatch
@@ -134,6 +136,12 @@ class ModelRunner:
             self.max_total_tokens, self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, dtype, self.device
         )
         self.attn_backend = create_attention_backend(config.attention_backend, self.device.type)
+        self.graph_runner: CudaGraphRunner | None = None
+        if self.device.type == "cuda" and not config.disable_cuda_graph:
+            if self.attn_backend.supports_cuda_graph:
+                self.graph_runner = CudaGraphRunner(self, capture_batch_sizes(self._graph_max_bs()))
+            else:
+                logger.info("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         logger.info(
             "loaded %s (%s, %s, quantization %s) on %s: weights %.1f MB, KV pool %d tokens",
             config.model_path, type(self.model).__name__, dtype, self.info.quantization or "none", self.device,
@@ -141,14 +149,13 @@ class ModelRunner:
         )
 
     def _kv_pool_size(self) -> int:
-        """KV tokens: the configured size, else what the memory budget left after the weights allows."""
+        """KV tokens: the configured size, else what the memory budget leaves (see _cuda_kv_budget)."""
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
         info = self.info
         per_token = KVPool.bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype)
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            budget = free * self.config.mem_fraction_static
+            budget = self._cuda_kv_budget()
             cap = None
         else:
             budget = _mem_available_bytes() * self.config.mem_fraction_static - info.weight_bytes
@@ -157,11 +164,88 @@ class ModelRunner:
         if cap is not None:
             tokens = min(tokens, cap)
         if tokens < 2:
-            raise RuntimeError("not enough memory for the KV cache after loading the weights")
+            raise RuntimeError(
+                f"not enough memory for the KV cache after the weights ({info.weight_bytes / 1e9:.2f} GB) and the "
+                f"activations of the largest step: budget {budget / 1e6:.0f} MB; lower scheduler.max_prefill_tokens "
+                f"or raise runtime.mem_fraction_static"
+            )
         return tokens
 
+    def _cuda_kv_budget(self) -> float:
+        """Bytes for the KV pool on CUDA, from a profile of the largest step.
+
+        The process may hold `mem_fraction_static` of the device memory; from that go the weights
+        (already loaded), the measured peak activations of one step of max_prefill_tokens tokens,
+        the sampler's workspace at max_running_requests rows and the decode CUDA graphs' outputs.
+        On integrated GPUs (Jetson: CPU and GPU share DRAM) the memory there is to take is the
+        kernel's MemAvailable, which cuMemGetInfo does not report faithfully.
+        """
+        dev = self.device
+        props = torch.cuda.get_device_properties(dev)
+        used = torch.cuda.memory_allocated(dev)  # the weights
+        if getattr(props, "is_integrated", False):
+            free = _mem_available_bytes()
+            total = free + torch.cuda.memory_reserved(dev)
+        else:
+            free, total = torch.cuda.mem_get_info(dev)
+        activations = self.profile_step_bytes()
+        vocab = self.info.vocab_size
+        sampler = self.config.max_running_requests * vocab * 32  # fp32 logits, a sort (values + int64 ids), noise
+        graphs = 0
+        if not self.config.disable_cuda_graph:
+            graphs = sum(capture_batch_sizes(self._graph_max_bs())) * vocab * 6 + (64 << 20)
+        reserve = activations + sampler + graphs
+        budget = min(total * self.config.mem_fraction_static - used, free - (256 << 20)) - reserve
+        logger.info(
+            "KV budget %.2f GB: device %.1f GB x %.2f, weights %.2f GB, step activations %.2f GB, "
+            "sampler %.2f GB, CUDA graphs %.2f GB",
+            budget / 1e9, total / 1e9, self.config.mem_fraction_static, used / 1e9, activations / 1e9,
+            sampler / 1e9, graphs / 1e9,
+        )
+        return budget
+
+    def _graph_max_bs(self) -> int:
+        return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
+
+    @torch.inference_mode()
+    def profile_step_bytes(self) -> int:
+        """Peak bytes a forward of the largest step allocates beyond the weights (CUDA only)."""
+        dev, info = self.device, self.info
+        n = max(1, min(self.config.max_prefill_tokens, info.context_length))
+        pool = KVPool(n, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, dev)
+        table = ReqToTokenPool(1, n, dev)
+        slots = torch.arange(1, n + 1, dtype=torch.int64, device=dev)
+        table.req_to_token[0, :n] = slots
+        backend = create_attention_backend(self.config.attention_backend, dev.type)
+        one = torch.ones(1, dtype=torch.int64, device=dev)
+        batch = ForwardBatch(
+            input_ids=torch.randint(0, info.vocab_size, (n,), device=dev),
+            positions=slots - 1,
+            out_cache_loc=slots,
+            req_pool_indices=one - 1,
+            seq_lens=one * n,
+            extend_lens=one * n,
+            logits_indices=one * (n - 1),
+            seq_lens_cpu=[n],
+            prefix_lens_cpu=[0],
+            extend_lens_cpu=[n],
+            req_to_token_pool=table,
+            kv_pool=pool,
+            attn_backend=backend,
+        )
+        backend.init_forward_metadata(batch)
+        torch.cuda.synchronize(dev)
+        base = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        self.forward_eager(batch)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del batch, pool, table, slots
+        torch.cuda.empty_cache()
+        return int(peak)
+
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
-        """Gather the step's flat inputs from the scheduled requests."""
+        """Gather the step's flat inputs from the scheduled requests: one staged host-to-device copy."""
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
@@ -172,15 +256,22 @@ class ModelRunner:
             seq_lens.append(p + n)
             if p + n == len(req.token_ids):
                 logits_rows.append(len(input_ids) - 1)
-        dev = self.device
+        t, b = len(input_ids), len(seq_lens)
+        # [ids T | positions T | req rows B | seq_lens B | extend_lens B | logits rows N]: pinned, async
+        staged = to_device(
+            input_ids + positions + [r.req_pool_idx for r in sched.reqs] + seq_lens + sched.extend_lens + logits_rows,
+            torch.int64,
+            self.device,
+        )
+        parts = staged.split([t, t, b, b, b, len(logits_rows)])
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=parts[0],
+            positions=parts[1],
             out_cache_loc=sched.out_cache_loc,
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in sched.reqs], dtype=torch.int64, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            extend_lens=torch.tensor(sched.extend_lens, dtype=torch.int64, device=dev),
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+            req_pool_indices=parts[2],
+            seq_lens=parts[3],
+            extend_lens=parts[4],
+            logits_indices=parts[5],
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(sched.prefix_lens),
             extend_lens_cpu=list(sched.extend_lens),
@@ -188,13 +279,25 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )
-        self.attn_backend.init_forward_metadata(batch)
+        if self.graph_runner is None or not self.graph_runner.can_run(batch):
+            self.attn_backend.init_forward_metadata(batch)
         return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model; float32 logits [N, V] for the rows that sample (empty if none)."""
+        """Run the model; float32 logits [N, V] for the rows that sample (empty if none).
+
+        Decode batches replay a CUDA graph when one was captured for their size (padded up)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
+        return self.forward_eager(batch)
+
+    @torch.inference_mode()
+    def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
+        """forward() without graphs (also what the graphs capture)."""
         hidden = self.model(batch.input_ids, batch.positions, batch)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.info.vocab_size), dtype=torch.float32)
+        if batch.is_decode and batch.logits_indices.numel() == batch.num_tokens:
+            return self.model.compute_logits(hidden)  # every row samples: no gather
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -10,10 +10,12 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from mllmd_kernels import gemv, rope
 from torch import nn
 
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.models.layers import Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
+from mllmd.models.layers.dispatch import fused_kernels, use_gemv
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 
 
@@ -47,10 +49,17 @@ class Qwen3Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # views into qkv
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if fused_kernels(qkv):  # QK-norm and RoPE in one Triton kernel
+            rot = self.rotary_emb
+            q, k = rope(
+                positions, q, k, rot.cos_cache, rot.sin_cache,
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            )
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         out = batch.attn_backend.forward(q, k, v, self.layer_id, self.scale, batch)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -149,6 +158,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] for the given rows only (the positions that sample)."""
+        if use_gemv(hidden):
+            return gemv(hidden, self.lm_head_weight).float()
         return torch.matmul(hidden, self.lm_head_weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

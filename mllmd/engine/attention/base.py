@@ -12,7 +12,13 @@ if TYPE_CHECKING:
 
 
 class AttentionBackend(ABC):
-    """Paged attention over the KV pool: writes the step's K/V, then attends causally."""
+    """Paged attention over the KV pool: writes the step's K/V, then attends causally.
+
+    `supports_cuda_graph`: decode steps may be captured and replayed (the backend reads no host
+    values that change from step to step, and never synchronises with the device).
+    """
+
+    supports_cuda_graph: bool = True
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -31,6 +31,8 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 
 
 class TorchAttentionBackend(AttentionBackend):
+    supports_cuda_graph = False  # reads host-side sequence lengths and request rows every step
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = batch.req_to_token_pool.req_to_token
         if batch.is_decode:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mllmd.engine.device_io import to_device
 from mllmd.engine.sampling.gumbel import row_keys
 from mllmd.engine.sampling.penalties import unique_tokens
 from mllmd.sampling_params import SamplingParams
@@ -15,7 +16,7 @@ def _index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | 
     """int64 [len(rows)] index tensor, or None when rows is exactly range(total)."""
     if rows == list(range(total)):
         return None
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    return to_device(rows, torch.int64, device)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class SamplingBatchInfo:
         positions = [len(o) for o in output_ids]
 
         def f32(xs: list[float]) -> torch.Tensor:
-            return torch.tensor(xs, dtype=torch.float32, device=dev)
+            return to_device(xs, torch.float32, dev)
 
         greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
         sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
@@ -120,7 +121,7 @@ class SamplingBatchInfo:
             filt = [j for j in range(len(sp)) if ks[j] < v or ps[j] < 1.0 or ms[j] > 0.0]
             plain = sorted(set(range(len(sp))) - set(filt))
             if any(ks[j] < v for j in filt):
-                top_k = torch.tensor([ks[j] for j in filt], dtype=torch.int64, device=dev)
+                top_k = to_device([ks[j] for j in filt], torch.int64, dev)
             if any(ps[j] < 1.0 for j in filt):
                 top_p = f32([ps[j] for j in filt])
             if any(ms[j] > 0.0 for j in filt):
@@ -132,8 +133,8 @@ class SamplingBatchInfo:
             for _, t, _ in triples:
                 if not 0 <= t < v:
                     raise ValueError(f"logit_bias: token id {t} is outside the vocabulary of {v}")
-            bias_rows = torch.tensor([r for r, _, _ in triples], dtype=torch.int64, device=dev)
-            bias_cols = torch.tensor([t for _, t, _ in triples], dtype=torch.int64, device=dev)
+            bias_rows = to_device([r for r, _, _ in triples], torch.int64, dev)
+            bias_cols = to_device([t for _, t, _ in triples], torch.int64, dev)
             bias_vals = f32([x for _, _, x in triples])
 
         rep_rows = rep_cols = rep_penalty = None
@@ -141,7 +142,7 @@ class SamplingBatchInfo:
         if rep:
             lists = [list(prompt_ids[i]) + list(output_ids[i]) for i in rep]
             sub, rep_cols, _ = unique_tokens(lists, v, dev)
-            row_of = torch.tensor(rep, dtype=torch.int64, device=dev)
+            row_of = to_device(rep, torch.int64, dev)
             rep_rows = row_of[sub]
             rep_penalty = f32([params[i].repetition_penalty for i in rep])[sub]
 
@@ -149,7 +150,7 @@ class SamplingBatchInfo:
         fp = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
         if fp:
             sub, fp_cols, fp_counts = unique_tokens([list(output_ids[i]) for i in fp], v, dev)
-            fp_rows = torch.tensor(fp, dtype=torch.int64, device=dev)[sub]
+            fp_rows = to_device(fp, torch.int64, dev)[sub]
             frequency = f32([params[i].frequency_penalty for i in fp])[sub]
             presence = f32([params[i].presence_penalty for i in fp])[sub]
 

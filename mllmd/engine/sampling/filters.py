@@ -65,7 +65,7 @@ def _candidates(
         vals, ids = torch.sort(z, dim=-1, descending=True)  # [F, V]
     else:
         vals, ids = torch.topk(z, w, dim=-1)  # [F, W], sorted descending
-    neg_inf = torch.tensor(float("-inf"), device=z.device)
+    neg_inf = z.new_full((), float("-inf"))  # a fill, not a host-to-device copy
     keep = torch.ones_like(vals, dtype=torch.bool)  # [F, W]
     topk_on = None
     thr_k = None

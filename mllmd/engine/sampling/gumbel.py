@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from mllmd.engine.device_io import to_device
+
 MASK32 = 0xFFFFFFFF
 MIX_MUL1 = 0x21F0AAAD
 MIX_MUL2 = 0x735A2D97
@@ -61,7 +63,7 @@ def row_keys(seeds: list[int], positions: list[int], device: torch.device | str 
     h = torch.tensor([[KEY_INIT0, KEY_INIT1]], dtype=torch.int64).repeat(w.shape[0], 1)  # [B, 2]
     for j in range(3):
         h = mix32(h ^ w[:, j : j + 1])
-    return h.to(device)
+    return to_device(h, torch.int64, device)
 
 
 def hash32(keys: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

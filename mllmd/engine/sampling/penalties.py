@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from mllmd.engine.device_io import to_device
+
 
 def unique_tokens(
     token_lists: list[list[int]], vocab_size: int, device: torch.device | str
@@ -27,7 +29,11 @@ def unique_tokens(
     ok = (toks >= 0) & (toks < vocab_size)
     flat, counts = torch.unique(rows[ok] * vocab_size + toks[ok], return_counts=True)  # [N]
     dev = torch.device(device)
-    return (flat // vocab_size).to(dev), (flat % vocab_size).to(dev), counts.to(torch.float32).to(dev)
+    return (
+        to_device(flat // vocab_size, torch.int64, dev),
+        to_device(flat % vocab_size, torch.int64, dev),
+        to_device(counts, torch.float32, dev),
+    )
 
 
 def apply_logit_bias(

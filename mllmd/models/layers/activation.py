@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mllmd_kernels import silu_and_mul
 from torch import nn
+
+from mllmd.models.layers.dispatch import fused_kernels
 
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up for a fused [.., 2 * d] gate/up projection output."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_kernels(x):
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

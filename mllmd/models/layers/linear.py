@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from mllmd_kernels import gemv
 from torch import nn
 
+from mllmd.models.layers.dispatch import use_gemv
 from mllmd.models.quantization import LinearScheme, QuantMethod, create_quant_method
 
 
@@ -38,6 +40,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
+            if self.bias is None and use_gemv(x):
+                return gemv(x, self.weight)  # decode: split-K GEMV reads W near copy bandwidth
             return F.linear(x, self.weight, self.bias)
         return self.quant_method.apply(self, x, self.bias)
 

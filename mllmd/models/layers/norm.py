@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+from mllmd_kernels import rmsnorm
 from torch import nn
+
+from mllmd.models.layers.dispatch import fused_kernels
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +25,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if fused_kernels(x):  # one Triton kernel: add, reduce, scale (same rounding as below)
+            return rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -1,0 +1,117 @@
+"""Full-size random-weight checkpoints for benchmarks, generated on the GPU in seconds.
+
+    python -m mllmd.bench.random_checkpoint --source Qwen3-8B --out /dev/shm/qwen3-8b --dtype bfloat16
+
+Same folder layout as `mllmd.testing.checkpoints.build_tiny_checkpoint` (config.json, sharded
+safetensors with an index, generation config, the real Qwen tokenizer, a `random weights` marker), at
+the source's real shapes. The parameter names and shapes come from the transformers model built on
+the meta device; values follow the tiny builder's scales (embeddings std 1, linear weights std
+1.5 / sqrt(fan_in), norm weights 1 + N(0, 0.1)). Only for timing and for numerics tests that compare
+two implementations on the same weights: the weights are noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mllmd.testing import checkpoints as ck
+
+SHARD_BYTES = 4 << 30
+
+
+def _meta_model(config_dict: dict[str, Any]) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = dict(config_dict)
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _random_tensor(name: str, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator, device: str) -> torch.Tensor:
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(dtype)
+    if "embed_tokens" in name or name.startswith("lm_head"):
+        return torch.randn(shape, generator=gen, device=device).to(dtype)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    std = 1.5 / math.sqrt(shape[-1])
+    return (torch.randn(shape, generator=gen, device=device) * std).to(dtype)
+
+
+def build_random_checkpoint(
+    out_dir: str | Path, source: str = "Qwen3-8B", *, dtype: str = "bfloat16", seed: int = 0,
+    device: str = "cuda", overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a random checkpoint of `source`'s real shapes (optionally with config `overrides`)."""
+    src = ck.find_model_source(source)
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    config = dict(raw)
+    config.update(overrides or {})
+    config["torch_dtype"] = config["dtype"] = dtype
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+
+    model = _meta_model(config)
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tied = bool(config.get("tie_word_embeddings", False))
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes = 0
+    weight_map: dict[str, str] = {}
+    files: list[tuple[str, dict[str, torch.Tensor]]] = []
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if shard:
+            files.append((f"part-{len(files):05d}", shard))
+            shard, shard_bytes = {}, 0
+
+    for name, p in model.named_parameters():
+        if tied and name == "lm_head.weight":
+            continue
+        t = _random_tensor(name, p.shape, tdtype, gen, device).cpu()
+        shard[name] = t
+        shard_bytes += t.numel() * t.element_size()
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    total = len(files)
+    size = 0
+    for i, (_, tensors) in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        for k, t in tensors.items():
+            weight_map[k] = fname
+            size += t.numel() * t.element_size()
+    ck._write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": size}, "weight_map": weight_map})
+    ck._write_json(out / "config.json", config)
+    ck._copy_source_files(src, out)
+    ck._build_tokenizer(src, raw, out)
+    ck._write_json(
+        out / ck.MARKER_NAME,
+        {"weights": "random", "builder": "mllmd.bench.random_checkpoint", "params": {"source": str(source), "seed": seed}},
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", default="Qwen3-8B")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    print(build_random_checkpoint(args.out, args.source, dtype=args.dtype, seed=args.seed, device=args.device))
+
+
+if __name__ == "__main__":
+    main()

