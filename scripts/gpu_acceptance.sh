@@ -40,7 +40,7 @@ if want bench; then
   stamp "checkpoints"; build Qwen3-8B $M8; build Qwen3-0.6B $M06
   stamp "0.6B batch 1"
   timeout 240 python3 -m mllmd.bench.one_batch --model-path $M06 --batch-size 1 --input-len 128 --output-len 64 \
-    --baseline hf --run-name qwen3-0.6b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep '^{' 
+    --baseline hf --hf-cache default --run-name qwen3-0.6b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep '^{' 
   stamp "8B: batch 1 and 64 decode, 2048 prefill"
   timeout 420 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 --input-len 128 --output-len 128 \
     --baseline hf --hf-cache default --run-name qwen3-8b --result-filename "$OUT/one_batch.jsonl" \

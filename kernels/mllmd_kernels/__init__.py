@@ -10,22 +10,50 @@ from mllmd_kernels.activation import silu_and_mul, silu_and_mul_ref
 from mllmd_kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
 from mllmd_kernels.gemv import GemvConfig, gemv, gemv_ref, pick_gemv_config
+from mllmd_kernels.int8_gemm import (
+    Int8GemmConfig,
+    int8_gemm,
+    int8_gemm_ref,
+    pick_int8_config,
+    w8a8_linear,
+    w8a8_linear_ref,
+)
+from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
 from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
+from mllmd_kernels.w4a16_gemm import (
+    W4A16Config,
+    dequantize_int4_ref,
+    pack_int4_ref,
+    pick_w4a16_config,
+    unpack_int4_ref,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
 
 __all__ = [
     "HAS_TRITON",
     "GemvConfig",
+    "Int8GemmConfig",
+    "W4A16Config",
     "decode_attention",
     "decode_attention_ref",
     "decode_num_splits",
+    "dequantize_int4_ref",
     "extend_attention",
     "extend_attention_ref",
     "gemv",
     "gemv_ref",
+    "int8_gemm",
+    "int8_gemm_ref",
+    "int8_quant",
+    "int8_quant_ref",
     "interpreting",
+    "pack_int4_ref",
     "pick_gemv_config",
+    "pick_int8_config",
+    "pick_w4a16_config",
     "rmsnorm",
     "rmsnorm_ref",
     "rope",
@@ -37,4 +65,9 @@ __all__ = [
     "store_cache_triton",
     "triton_available",
     "triton_runnable",
+    "unpack_int4_ref",
+    "w4a16_gemm",
+    "w4a16_gemm_ref",
+    "w8a8_linear",
+    "w8a8_linear_ref",
 ]

@@ -116,6 +116,10 @@ def time_engine(llm: LLM, prompts: list[list[int]], output_len: int, profile_pat
         if prof is not None:
             prof.__exit__(None, None, None)
             prof.export_chrome_trace(profile_path)
+            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+            table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+            table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+            Path(profile_path).with_suffix(".txt").write_text(table + "\n\n" + table_cpu)
     engine.flush_cache()
     return CaseTiming(prefill, decodes)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mllmd.engine.device_io import to_device
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import PrefixCache
 from mllmd.engine.request import Req, ReqStatus
@@ -186,14 +187,21 @@ class Scheduler:
         if not reqs:
             return None
         prefix_lens = [r.kv_len for r in reqs]
-        table = self.req_to_token_pool.req_to_token
-        for req, p, n, s in zip(reqs, prefix_lens, lens, slots):
-            table[req.req_pool_idx, p : p + n] = s
+        rows: list[int] = []
+        cols: list[int] = []
+        for req, p, n in zip(reqs, prefix_lens, lens):
+            rows += [req.req_pool_idx] * n
+            cols += range(p, p + n)
             if n > 1 or len(req.token_ids) - p > 1:
                 self.stats.prefill_tokens_computed += n
             else:
                 self.stats.decode_tokens_computed += n
-        return ScheduledBatch(reqs, lens, prefix_lens, torch.cat(slots))
+        out_cache_loc = torch.cat(slots)
+        # staged write of the request-to-token table: one scatter for the whole step
+        table = self.req_to_token_pool.req_to_token
+        where = to_device([rows, cols], torch.int64, table.device)
+        table[where[0], where[1]] = out_cache_loc
+        return ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
 
     def _chunk_cap(self, budget: int) -> int:
         return budget if self.chunk_size is None else min(budget, self.chunk_size)

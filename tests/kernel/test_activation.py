@@ -32,7 +32,8 @@ def test_silu_and_mul_matches_reference(shape: tuple[int, ...], dtype: torch.dty
     got = silu_and_mul(x, out=out)
     assert got is out and not out.isnan().any(), "some outputs were never written"
     torch.testing.assert_close(got, silu_and_mul_ref(x), **close_tol(dtype))
-    torch.testing.assert_close(silu_and_mul_ref(x), SiluAndMul()(x), rtol=0, atol=0)
+    # the model's module: the Triton kernel on CUDA, the reference elsewhere (exactly)
+    torch.testing.assert_close(SiluAndMul()(x), got if x.is_cuda else silu_and_mul_ref(x), rtol=0, atol=0)
 
 
 def test_silu_and_mul_strided_input() -> None:

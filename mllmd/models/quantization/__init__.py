@@ -1,5 +1,6 @@
 """compressed-tensors W8A8 (int8) and W4A16 (int4) checkpoints: config parsing, quantized Linear
-storage (`methods`), per-device GEMM kernels (`kernels`) and their torch references (`ops`)."""
+storage (`methods`), per-device GEMM kernels (`kernels`) and their torch references (`ops`); importing
+the package registers the Triton kernels for CUDA (`triton_kernels`) ahead of the references."""
 
 from mllmd.models.quantization.config import (
     W4A16,
@@ -11,6 +12,7 @@ from mllmd.models.quantization.config import (
 )
 from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel, select_kernel
 from mllmd.models.quantization.methods import QuantMethod, create_quant_method
+from mllmd.models.quantization.triton_kernels import TritonW4A16Kernel, TritonW8A8Kernel
 
 __all__ = [
     "W4A16",
@@ -19,6 +21,8 @@ __all__ = [
     "QuantConfig",
     "QuantLinearKernel",
     "QuantMethod",
+    "TritonW4A16Kernel",
+    "TritonW8A8Kernel",
     "UnsupportedQuantization",
     "create_quant_method",
     "get_linear_scheme",

@@ -1,0 +1,227 @@
+"""Quantized GEMMs on the Qwen3-8B projection shapes: W8A8 (int8_quant + int8_gemm) and W4A16 (group
+128) against bf16 F.linear (cuBLAS) and torch._int_mm (cuBLASLt int8, the activations already int8).
+
+    python3 -m mllmd_kernels.bench.bench_quant --out DIR [--m 1 16 64 2048] [--shapes qkv o] [--sweep]
+
+One JSON line per (kernel, shape, M): us (median of CUDA-graph replays over rotating weight sets,
+so L2 holds none of them), TOPS / TFLOPS, GB/s of weight bytes read (int8: N*K, int4: N*K/2 plus
+the scales; bf16: 2*N*K), speedup over bf16, and rel_err of one output against the kernel's torch
+reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize + float32 matmul).
+Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
+alone on int8 activations (compare with "int_mm"), "w4a16", "bf16". `--sweep` also times a list of
+tilings per case and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
+MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mllmd_kernels._triton import num_sms
+from mllmd_kernels.bench.common import (
+    DEVICE,
+    SMOKE,
+    copy_bandwidth_gbps,
+    emit,
+    guarded,
+    num_sets,
+    print_table,
+    set_log,
+    time_calls,
+)
+from mllmd_kernels.int8_gemm import (
+    Int8GemmConfig,
+    auto_split,
+    int8_gemm,
+    max_shared_memory,
+    pick_int8_config,
+    w8a8_linear,
+    w8a8_linear_ref,
+)
+from mllmd_kernels.int8_quant import int8_quant
+from mllmd_kernels.w4a16_gemm import W4A16Config, pick_w4a16_config, w4a16_gemm, w4a16_gemm_ref
+
+# Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+MS = [1, 16, 64, 2048]
+GROUP = 128
+if SMOKE:
+    SHAPES, MS, GROUP = {"qkv": (96, 256), "down": (64, 384)}, [1, 5, 40], 64
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.double(), ref.double()
+    return round(float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)), 6)
+
+
+def _line(kernel: str, name: str, m: int, n: int, k: int, us: float, bf16_us: float | None, wbytes: int,
+          copy_gbps: float, **extra: Any) -> dict[str, Any]:  # fmt: skip
+    ops = 2 * m * n * k / (us * 1e-6) / 1e12
+    gbps = wbytes / (us * 1e-6) / 1e9
+    out = {"kernel": kernel, "shape": f"{name} M={m} N={n} K={k}", "dtype": "bfloat16", "us": round(us, 2),
+           "tops" if kernel in ("w8a8", "int8_gemm", "int_mm") else "tflops": round(ops, 1),
+           "weight_gbps": round(gbps, 1), "frac_copy": round(gbps / copy_gbps, 3)}  # fmt: skip
+    if bf16_us is not None:  # print_table's columns: ours against cuBLAS bf16
+        out.update(
+            ours_us=round(us, 2),
+            torch_us=round(bf16_us, 2),
+            speedup=round(bf16_us / us, 3),
+            gbps=round(gbps, 1),
+        )
+    return {**out, **extra}
+
+
+def _int8_candidates(m: int, n: int, k: int) -> list[Int8GemmConfig]:
+    sms = num_sms()
+    if m <= 64:
+        bm = max(16, 1 << (m - 1).bit_length())
+        out = []
+        for bn, bk, warps, stages in [(64, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3),
+                                      (128, 256, 8, 3), (64, 512, 4, 3), (32, 512, 4, 3)]:  # fmt: skip
+            for split in sorted(
+                {1, auto_split(-(-n // bn), k, bk, sms), auto_split(-(-n // bn), k, bk, sms, 4)}
+            ):
+                out.append(Int8GemmConfig("skinny", bm, bn, bk, 1, split, warps, stages))
+        return out
+    return [Int8GemmConfig("gemm", bm, bn, bk, gm, 1, w, st) for bm, bn, bk, gm, w, st in [
+        (128, 256, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 4, 4), (128, 256, 64, 8, 8, 4),
+        (256, 128, 128, 8, 8, 3), (128, 128, 64, 8, 4, 5), (64, 128, 128, 8, 4, 4), (64, 256, 128, 8, 4, 3)]]  # fmt: skip
+
+
+def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
+    sms = num_sms()
+    out = []
+    if m <= 64:
+        mode, bm = ("gemv", 1) if m == 1 else ("skinny", max(16, 1 << (m - 1).bit_length()))
+        tilings = ([(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 3),
+                    (256, 128, 4, 1), (64, 64, 4, 4)] if m == 1 else
+                   [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)])  # fmt: skip
+        for bn, bk, warps, stages in tilings:
+            tiles = -(-n // bn)
+            splits = {1} | {auto_split(tiles, k, bk, sms, c, 2) for c in (2, 4, 8, 16)}
+            out += [W4A16Config(mode, bm, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
+        return out
+    return [W4A16Config("gemm", bm, bn, bk, 8, 1, w, st) for bm, bn, bk, w, st in [
+        (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 3),
+        (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 128, 32, 4, 4)]]  # fmt: skip
+
+
+def _sweep(kernel: str, name: str, m: int, default_us: float, default_cfg: Any, cands: list[Any],
+           run: Callable[[int, Any], Any], sets: int) -> dict[str, Any]:  # fmt: skip
+    best = (default_us, default_cfg)
+    for c in cands:
+        try:
+            t = time_calls(lambda i, c=c: run(i, c), sets, reps=7)
+        except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit is skipped
+            print(f"# {kernel} {name} M={m} {c}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        emit({"kernel": f"{kernel}_sweep", "name": name, "M": m, "config": c.__dict__, "us": round(t, 2)})
+        if t < best[0]:
+            best = (t, c)
+    return {"best_us": round(best[0], 2), "best_config": best[1].__dict__}
+
+
+def _shape(name: str, ms: list[int], copy_gbps: float, sweep: bool) -> None:
+    """Random weights of each kind for one projection (rotating sets), then every M."""
+    n, k = SHAPES[name]
+    g = torch.Generator(device=DEVICE).manual_seed(n + k)
+    sets16, sets8, sets4 = num_sets(n * k * 2, cap=16), num_sets(n * k, cap=32), num_sets(n * k // 2, cap=32)
+    w: dict[str, Any] = {
+        "w16": [torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(sets16)],
+        "w8": [torch.randint(-127, 128, (n, k), device=DEVICE, dtype=torch.int8, generator=g) for _ in range(sets8)],
+        "s8": [torch.rand(n, 1, device=DEVICE, generator=g) * 1e-3 / k**0.5 + 1e-5 for _ in range(sets8)],
+        # any int32 is a valid word of eight int4 values; scales column-major as TritonW4A16Kernel keeps them
+        "w4": [torch.randint(-(2**31), 2**31 - 1, (n, k // 8), device=DEVICE, dtype=torch.int32, generator=g)
+               for _ in range(sets4)],
+        "s4": [(torch.rand(k // GROUP, n, device=DEVICE, generator=g) * 0.02 / k**0.5 + 1e-4).t()
+               for _ in range(sets4)],
+    }  # fmt: skip
+    for m in ms:
+        guarded(_case, name, m, w, g, copy_gbps, sweep)
+
+
+def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: float, sweep: bool) -> None:
+    w16, w8, s8, w4, s4 = w["w16"], w["w8"], w["s8"], w["w4"], w["s4"]
+    sets16, sets8, sets4 = len(w16), len(w8), len(w4)
+    n, k = w16[0].shape
+    bf = torch.bfloat16
+    sms, smem = num_sms(), max_shared_memory(w8[0])
+    sets = max(sets16, sets8, sets4)
+    xs = [torch.randn(m, k, device=DEVICE, dtype=bf, generator=g) for _ in range(sets)]
+    qx = [int8_quant(x) for x in xs]
+    t16 = time_calls(lambda i: F.linear(xs[i], w16[i % sets16]), sets)
+    emit(_line("bf16", name, m, n, k, t16, t16, n * k * 2, copy_gbps))
+
+    cfg8 = pick_int8_config(m, n, k, sms, smem)
+    err = _rel(w8a8_linear(xs[0], w8[0], s8[0]), w8a8_linear_ref(xs[0], w8[0], s8[0]))
+    t = time_calls(lambda i: w8a8_linear(xs[i], w8[i % sets8], s8[i % sets8]), sets)
+    emit(_line("w8a8", name, m, n, k, t, t16, n * k, copy_gbps, rel_err=err, config=cfg8.__dict__))
+
+    def gemm8(i: int, c: Int8GemmConfig | None = None) -> torch.Tensor:
+        return int8_gemm(qx[i][0], w8[i % sets8], qx[i][1], s8[i % sets8], bf, config=c)
+
+    t = time_calls(gemm8, sets)
+    extra = _sweep("int8_gemm", name, m, t, cfg8, _int8_candidates(m, n, k), gemm8, sets) if sweep else {}
+    emit(_line("int8_gemm", name, m, n, k, t, t16, n * k, copy_gbps, config=cfg8.__dict__, **extra))
+    if m > 16 and not SMOKE:  # cuBLASLt int8 needs M > 16
+        t = time_calls(lambda i: torch._int_mm(qx[i][0], w8[i % sets8].t()), sets)
+        emit(_line("int_mm", name, m, n, k, t, t16, n * k, copy_gbps))
+
+    def gemm4(i: int, c: W4A16Config | None = None) -> torch.Tensor:
+        return w4a16_gemm(xs[i], w4[i % sets4], s4[i % sets4], config=c)
+
+    cfg4 = pick_w4a16_config(m, n, k, GROUP, sms, smem)
+    err = _rel(gemm4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
+    t = time_calls(gemm4, sets)
+    extra = _sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets) if sweep else {}
+    w4_bytes = n * k // 2 + n * (k // GROUP) * 4
+    emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
+               **extra))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--m", type=int, nargs="+", default=MS)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--sweep", action="store_true", help="also time a list of tilings per case")
+    args = p.parse_args(argv)
+    if not SMOKE and not torch.cuda.is_available():
+        raise SystemExit("bench_quant needs CUDA (or MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1)")
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    with open(os.path.join(args.out, "bench_quant.jsonl"), "w") as log:
+        set_log(log)
+        copy = copy_bandwidth_gbps()
+        import triton
+
+        device = "cpu (smoke)" if SMOKE else torch.cuda.get_device_name()
+        emit({"kernel": "env", "device": device, "torch": torch.__version__, "triton": triton.__version__,
+              "copy_gbps": round(copy, 1), "sms": num_sms()})  # fmt: skip
+        for name in args.shapes:
+            guarded(_shape, name, args.m, copy, args.sweep)
+            if not SMOKE:
+                torch.cuda.empty_cache()
+            print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
+        set_log(None)
+    from mllmd_kernels.bench.common import ROWS
+
+    sweeps = [r for r in ROWS if "best_config" in r]
+    if sweeps:
+        print("# sweeps: best tiling per case")
+        for r in sweeps:
+            print(json.dumps({k: r[k] for k in ("kernel", "shape", "us", "best_us", "best_config")}))
+    print_table([r for r in ROWS if r.get("kernel") != "bf16"])
+    print(f"# total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,343 @@
+"""int8_gemm: int8 x int8 -> int32 GEMM on the int8 tensor cores, with per-token and per-channel
+scales in the epilogue (the W8A8 linear layer).
+
+    y[m, n] = float(sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] (+ bias[n]), in out_dtype
+
+a: int8 [M, K] activations (from `int8_quant`), b: int8 [N, K] weights exactly as compressed-tensors
+stores them. K-major on both sides is the layout int8 MMA wants (mma.sync on sm80/sm87 and wgmma
+on sm90 take 8-bit operands K-major only), so the weights are used as stored: no re-layout.
+The accumulation is exact in int32 (|sum| < 2**31 for K < 2**17 at full range); the scaling is in
+float32 in the reference's order ((acc * a_scale) * b_scale + bias), then one rounding to out_dtype.
+
+Tilings are picked by M, no autotuning (`pick_int8_config`):
+* "skinny" (M <= 64, decode): acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (the weight fills the
+  64-row MMA side, x is padded to 16+ rows); K is split until the SMs have a few tiles each, with
+  int32 partial sums [SPLIT_K, M, N] that `_int8_splitk_epilogue_kernel` adds in a fixed order
+  before the epilogue (exact and deterministic: no atomics, no memset);
+* "gemm" (prefill): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle over output
+  tiles; 128x256x128 on GPUs with >= 200 KB of shared memory per block (H100/H200), 128x128x128
+  elsewhere (Orin, A100), with as many pipeline stages as shared memory allows (3 or 4).
+Nothing Hopper-only is requested (no TMA, no warp specialisation); Triton lowers tl.dot to wgmma
+on sm90 and to mma.sync on sm80/sm87 by itself.
+
+No host synchronisation: the launches depend only on shapes (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from mllmd_kernels._triton import next_pow2, sm_count_for, tl, triton
+from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
+
+
+def int8_gemm_ref(
+    a: torch.Tensor,  # [M, K] int8
+    b: torch.Tensor,  # [N, K] int8
+    a_scale: torch.Tensor,  # [M, 1] float32
+    b_scale: torch.Tensor,  # [N, 1] float32
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Torch reference: the integer products summed exactly (float64 holds every int8 dot product
+    of K < 2**38 exactly), then (acc * a_scale) * b_scale (+ bias) in float32, rounded to out_dtype."""
+    acc = (a.double() @ b.double().t()).float()  # == float32(int32 accumulator): one rounding either way
+    out = acc * a_scale.float().view(-1, 1) * b_scale.float().view(1, -1)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def w8a8_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Torch reference of the W8A8 linear: per-token int8 x [M, K], int8 weight [N, K] -> [M, N] x.dtype."""
+    q, s = int8_quant_ref(x)
+    return int8_gemm_ref(q, weight, s, weight_scale, x.dtype, bias)
+
+
+@dataclass(frozen=True)
+class Int8GemmConfig:
+    mode: str  # "skinny" (W as the MMA's 64-row side, split-K; M <= 64) | "gemm" (swizzled tiles)
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=8)
+def _smem_per_block(device_index: int) -> int:
+    props = torch.cuda.get_device_properties(device_index)
+    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    if optin:
+        return optin
+    # By compute capability: sm90 227 KB, sm80/sm87 (A100, Orin) 163 KB, other consumer parts 99 KB.
+    return {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}.get((props.major, props.minor), 101376)
+
+
+def max_shared_memory(t: torch.Tensor) -> int:
+    """Opt-in shared memory per block on t's device (bytes); generous for the CPU interpreter."""
+    return _smem_per_block(t.device.index or 0) if t.is_cuda else 232448
+
+
+def fit_stages(stage_bytes: int, want: int, smem: int, reserve: int = 8192) -> int:
+    """The most pipeline stages (<= want, >= 1) whose buffers fit in `smem` bytes."""
+    return max(1, min(want, (smem - reserve) // max(1, stage_bytes)))
+
+
+def auto_split(
+    tiles: int, k: int, block_k: int, num_sms: int, ctas_per_sm: int = 2, min_blocks: int = 4
+) -> int:
+    """Split K (powers of two) until there are about `ctas_per_sm` tiles per SM, keeping at least
+    `min_blocks` K-blocks per split."""
+    split = 1
+    while tiles * split * 2 <= ctas_per_sm * num_sms and k // (split * 2) >= min_blocks * block_k:
+        split *= 2
+    return split
+
+
+def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8GemmConfig:
+    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory."""
+    if m <= 64:
+        bm = max(16, next_pow2(m))
+        bn, bk = 64, (256 if bm <= 32 else 128)
+        stages = fit_stages((bm + bn) * bk, 4, smem)
+        split = auto_split(triton.cdiv(n, bn), k, bk, num_sms)
+        return Int8GemmConfig("skinny", bm, bn, bk, 1, split, 4, stages)
+    if m <= 128:
+        bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
+    elif smem >= 200 * 1024:
+        bm, bn, bk, warps, stages = 128, 256, 128, 8, 3
+    else:
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 4
+    return Int8GemmConfig("gemm", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))
+
+
+@triton.jit
+def _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
+    """float32 (acc * a_scale[m]) * b_scale[n] (+ bias[n]) for acc [len(offs_m), len(offs_n)]."""
+    a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
+    b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
+    out = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _int8_gemm_kernel(
+    a_ptr,  # [M, K] int8
+    b_ptr,  # [N, K] int8
+    as_ptr,  # [M] float32
+    bs_ptr,  # [N] float32
+    bias_ptr,  # [N] (HAS_BIAS)
+    c_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Prefill: acc[BLOCK_M, BLOCK_N] = a_tile @ b_tile^T over K in int32, output tiles swizzled in
+    groups of GROUP_M rows of tiles (so the b tiles of neighbouring programs are shared in L2)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_size_m
+    pid_n = (pid % num_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_a = (offs_m % M).to(tl.int64)  # rows past the end wrap around (read, never stored)
+    rows_b = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0)
+            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    out = _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _int8_skinny_kernel(
+    a_ptr,  # [M, K] int8
+    b_ptr,  # [N, K] int8
+    as_ptr,  # [M] float32
+    bs_ptr,  # [N] float32
+    bias_ptr,  # [N] (HAS_BIAS)
+    c_ptr,  # [M, N] (not IS_SPLIT)
+    part_ptr,  # [SPLIT_K, M, N] int32 (IS_SPLIT)
+    M,
+    N,
+    K,
+    stride_am,
+    stride_bn,
+    stride_cm,
+    K_PER_SPLIT,  # multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Decode: acc[BLOCK_N, BLOCK_M] = b_tile @ a_tile^T in int32 over one K split."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_b = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows_a = tl.where(mask_m, offs_m, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * K_PER_SPLIT
+    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_start + offs_k)[None, :]
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_start + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
+    for k0 in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            b = tl.load(b_ptrs, eviction_policy="evict_first")
+            a = tl.load(a_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < k_len
+            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0, eviction_policy="evict_first")
+            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0)
+        acc = tl.dot(b, tl.trans(a), acc)
+        b_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    out_mask = mask_n[:, None] & mask_m[None, :]
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
+    else:
+        a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
+        b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
+        out = acc.to(tl.float32) * a_s[None, :] * b_s[:, None]
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = c_ptr + offs_m[None, :].to(tl.int64) * stride_cm + offs_n[:, None]
+        tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _int8_splitk_epilogue_kernel(
+    part_ptr,  # [SPLIT_K, M, N] int32
+    as_ptr,
+    bs_ptr,
+    bias_ptr,
+    c_ptr,  # [M, N]
+    M,
+    N,
+    stride_cm,
+    SPLIT_K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for s in range(0, SPLIT_K):  # integer sums: exact, in any order
+        acc += tl.load(part_ptr + s * M * N + m * N + offs, mask=mask, other=0)
+    out = acc.to(tl.float32) * tl.load(as_ptr + m) * tl.load(bs_ptr + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(c_ptr + m * stride_cm + offs, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def int8_gemm(
+    a: torch.Tensor,  # [M, K] int8
+    b: torch.Tensor,  # [N, K] int8
+    a_scale: torch.Tensor,  # [M, 1] or [M] float32
+    b_scale: torch.Tensor,  # [N, 1] or [N] float32
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N] out_dtype
+    config: Int8GemmConfig | None = None,
+) -> torch.Tensor:
+    """(a @ b^T) * a_scale * b_scale^T (+ bias) -> [M, N] out_dtype, int32 accumulation on tensor cores."""
+    assert a.dtype == torch.int8 and b.dtype == torch.int8 and a.dim() == 2 and b.dim() == 2
+    assert a.shape[1] == b.shape[1] and a.stride(1) == 1 and b.stride(1) == 1, (
+        "int8_gemm needs K-contiguous a and b"
+    )
+    m, k = a.shape
+    n = b.shape[0]
+    assert a_scale.numel() == m and b_scale.numel() == n
+    assert a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32
+    a_scale = a_scale.reshape(m).contiguous()
+    b_scale = b_scale.reshape(n).contiguous()
+    if out is None:
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
+    if m == 0:
+        return out
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
+    cfg = config or pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a))
+    if cfg.mode == "gemm":
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        _int8_gemm_kernel[grid](
+            a, b, a_scale, b_scale, bias_arg, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return out
+    assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, m, n), dtype=torch.int32, device=a.device) if split > 1 else out
+    _int8_skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        a, b, a_scale, b_scale, bias_arg, out, part, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias, IS_SPLIT=split > 1,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, next_pow2(n))
+        _int8_splitk_epilogue_kernel[(triton.cdiv(n, block), m)](
+            part, a_scale, b_scale, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
+        )
+    return out
+
+
+def w8a8_linear(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N, 1] float32
+    bias: torch.Tensor | None = None,
+    config: Int8GemmConfig | None = None,
+) -> torch.Tensor:
+    """W8A8 linear with Triton: per-token int8 quantization of x, then int8_gemm -> [M, N] x.dtype."""
+    q, s = int8_quant(x)
+    return int8_gemm(q, weight, s, weight_scale, x.dtype, bias, config=config)

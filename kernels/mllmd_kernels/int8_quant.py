@@ -1,0 +1,105 @@
+"""int8_quant: per-token symmetric int8 quantization of activations (the W8A8 GEMM's input).
+
+x [M, K] (fp16 / bf16 / fp32) -> q int8 [M, K] and scale float32 [M, 1] with x ~= q * scale, with
+compressed-tensors' rounding exactly (mllmd.models.quantization.ops.per_token_quant_int8):
+  scale = max|x_row| / 127.5 (a zero scale becomes float32 eps), q = round_half_even(clamp(x / scale,
+  -128, 127)).
+The divisions are correctly rounded (`div_rn`: Triton's `/` is an approximate division on NVIDIA) and
+the rounding is to nearest even (adding and subtracting 1.5 * 2**23, exact for |v| <= 2**22), so the
+kernel's q and scale equal the reference bit for bit. One program per row; a row of up to
+`ONE_PASS_MAX_K` elements is held in registers, longer rows are read twice.
+
+No host synchronisation: the launch depends only on shapes (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mllmd_kernels._triton import next_pow2, tl, triton
+
+INT8_RANGE_HALF = 127.5  # (127 - (-128)) / 2
+FP32_EPS = float(torch.finfo(torch.float32).eps)
+ONE_PASS_MAX_K = 16384
+_ROUND_MAGIC = 12582912.0  # 1.5 * 2**23: v + M - M rounds |v| < 2**22 to the nearest integer, ties to even
+
+
+def int8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: x [M, K] -> (q int8 [M, K], scale float32 [M, 1]), symmetric per row."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)  # [M, 1]
+    scale = amax / torch.full_like(amax, INT8_RANGE_HALF)  # a tensor divisor: correctly rounded on CUDA too
+    scale = torch.where(scale == 0, torch.full_like(scale, FP32_EPS), scale)
+    q = torch.clamp(xf / scale, -128.0, 127.0).round_().to(torch.int8)
+    return q, scale
+
+
+@triton.jit
+def _quant_row(x, scale):
+    v = tl.math.div_rn(x, scale)
+    v = tl.minimum(tl.maximum(v, -128.0), 127.0)
+    v = (v + 12582912.0) - 12582912.0  # _ROUND_MAGIC: round half to even
+    return v.to(tl.int8)
+
+
+@triton.jit
+def _int8_quant_kernel(
+    x_ptr,  # [M, K]
+    q_ptr,  # [M, K] int8
+    s_ptr,  # [M] float32
+    K,
+    stride_xm,
+    stride_qm,
+    BLOCK_K: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
+    q_row = q_ptr + row * stride_qm
+    if ONE_PASS:
+        mask = offs < K
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.math.div_rn(amax, 127.5)
+        scale = tl.where(scale == 0.0, 1.1920928955078125e-07, scale)
+        tl.store(q_row + offs, _quant_row(x, scale), mask=mask)
+    else:
+        amax_v = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            amax_v = tl.maximum(amax_v, tl.abs(x))
+        amax = tl.max(amax_v, axis=0)
+        scale = tl.math.div_rn(amax, 127.5)
+        scale = tl.where(scale == 0.0, 1.1920928955078125e-07, scale)
+        for k0 in range(0, K, BLOCK_K):
+            mask = k0 + offs < K
+            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(q_row + k0 + offs, _quant_row(x, scale), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def int8_quant(
+    x: torch.Tensor,  # [M, K]
+    out: torch.Tensor | None = None,  # [M, K] int8
+    scale: torch.Tensor | None = None,  # [M, 1] float32
+    block_k: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8 quantization with Triton: (q int8 [M, K], scale float32 [M, 1])."""
+    assert x.dim() == 2 and x.stride(1) == 1, "int8_quant needs a K-contiguous [M, K] x"
+    m, k = x.shape
+    if out is None:
+        out = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    if scale is None:
+        scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    assert out.stride(1) == 1 and scale.is_contiguous()
+    if m == 0:
+        return out, scale
+    one_pass = block_k is None and k <= ONE_PASS_MAX_K
+    block = next_pow2(max(k, 16)) if one_pass else (block_k or 4096)
+    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    _int8_quant_kernel[(m,)](
+        x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block, ONE_PASS=one_pass, num_warps=num_warps
+    )
+    return out, scale

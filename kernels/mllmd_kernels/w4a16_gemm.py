@@ -1,0 +1,420 @@
+"""w4a16_gemm: y = x W^T with int4 weights dequantized inside the kernel (compressed-tensors W4A16).
+
+Weights as compressed-tensors packs them ("pack-quantized"): `w_packed` int32 [N, ceil(K / 8)], eight
+4-bit values per word along K, value i of a word in bits [4i, 4i + 4), stored as q + 8; `w_scale`
+float32 [N, G] (one scale per group of K / G columns; G = 1 is channel-wise); `w_zero_point` int8
+[N, G] in [-8, 7] (unpacked; asymmetric schemes only). w = (q - zero_point) * scale.
+The packed words are read as stored. Scales and zero points may have any strides: a column-major
+[N, G] (`.t().contiguous().t()`, what TritonW4A16Kernel keeps) makes each K step's BLOCK_N scales
+one contiguous read.
+
+In the kernel a [BLOCK_N, BLOCK_K / 8] tile of words is widened to [BLOCK_N, BLOCK_K] in registers
+(`tl.interleave` three times), each lane shifts out its nibble and ORs it into the mantissa of 2**23
+(int -> float without a conversion instruction), so w = (f - (2**23 + 8 + zero_point)) * scale in
+float32, exactly as the reference computes it before its rounding to the activation dtype.
+BLOCK_K divides the group size, so one K step reads one scale per row.
+
+Tilings by M (`pick_w4a16_config`, no autotuning):
+* "gemv" (M == 1): no tensor cores; per K step sum_k f * x, times the row's scale, into float32;
+* "skinny" (2 <= M <= 64): acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on tensor cores with W
+  dequantized to the activation dtype (x padded to 16+ rows);
+* "gemm" (prefill): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle.
+"gemv" and "skinny" split K until every SM has a few tiles, writing float32 partials
+[SPLIT_K, M, N] that `_splitk_reduce_kernel` adds in a fixed order (deterministic, no atomics).
+The weight dequantized for the tensor-core paths equals the reference's bit for bit on the GPU
+(the gemv path keeps it in float32, which is slightly more accurate); sums differ by order only.
+
+No host synchronisation: the launches depend only on shapes (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mllmd_kernels._triton import dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory
+
+
+def unpack_int4_ref(packed: torch.Tensor, cols: int) -> torch.Tensor:
+    """int32 [R, ceil(cols / 8)] -> int8 [R, cols] in [-8, 7]."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, W, 8]
+    return (nibbles.reshape(packed.shape[0], -1)[:, :cols] - 8).to(torch.int8)
+
+
+def pack_int4_ref(values: torch.Tensor) -> torch.Tensor:
+    """int8 [R, C] in [-8, 7] -> int32 [R, ceil(C / 8)] (the inverse of unpack_int4_ref; pads with 0 bits)."""
+    rows, cols = values.shape
+    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64, device=values.device)
+    padded[:, :cols] = values.to(torch.int64) + 8
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
+    words = (padded.view(rows, -1, 8) << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def dequantize_int4_ref(
+    w_packed: torch.Tensor,  # [N, ceil(K / 8)] int32
+    w_scale: torch.Tensor,  # [N, G] float32
+    w_zero_point: torch.Tensor | None,  # [N, G] int8, None when symmetric
+    in_features: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[N, K] `dtype`: (q - zero_point) * scale in float32, then rounded to `dtype`."""
+    n, groups = w_scale.shape
+    q = unpack_int4_ref(w_packed, in_features).view(n, groups, in_features // groups).float()
+    if w_zero_point is not None:
+        q = q - w_zero_point.float().unsqueeze(-1)
+    return (q * w_scale.float().unsqueeze(-1)).reshape(n, in_features).to(dtype)
+
+
+def w4a16_gemm_ref(
+    x: torch.Tensor,  # [M, K]
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Torch reference: dequantize to x's dtype, then x @ W^T (+ bias) with float32 accumulation."""
+    w = dequantize_int4_ref(w_packed, w_scale, w_zero_point, x.shape[-1], x.dtype)
+    out = x.float() @ w.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W @ x^T, split-K) | "gemm" (swizzled tiles)
+    block_m: int
+    block_n: int
+    block_k: int  # reduced at launch to a power of two that divides the group size
+    group_m: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def group_block_k(block_k: int, group: int, k: int) -> int:
+    """The K step for `group` columns per scale: <= block_k, a power of two >= 16 dividing the group
+    (channel-wise: any, K is masked)."""
+    if group >= k:  # channel-wise
+        return max(16, min(block_k, next_pow2(k)))
+    bk = block_k
+    while group % bk:
+        bk //= 2
+    assert bk >= 16, f"group size {group} is not a multiple of 16"
+    return bk
+
+
+def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: int) -> W4A16Config:
+    """Tile sizes for x[m, k] @ W[n, k]^T by M (decode / prefill), fitted to shared memory."""
+    if m == 1:
+        # No tensor cores and no software pipelining to count on: many CTAs (K split finely), each with
+        # a [128, 128] tile (8 KB of packed weights) per K step, keep enough loads in flight per SM.
+        bn, bk = 128, group_block_k(128, group, k)
+        split = auto_split(triton.cdiv(n, bn), k, bk, num_sms, ctas_per_sm=8, min_blocks=2)
+        return W4A16Config("gemv", 1, bn, bk, 1, split, 4, fit_stages(bn * bk // 2, 3, smem))
+    if m <= 64:
+        bm, bn, bk = max(16, next_pow2(m)), 64, group_block_k(128, group, k)
+        split = auto_split(triton.cdiv(n, bn), k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
+        return W4A16Config("skinny", bm, bn, bk, 1, split, 4, fit_stages(bm * bk * 2 + bn * bk // 2, 4, smem))
+    if m <= 128:
+        bm, bn, warps = 64, 128, 4
+    else:
+        bm, bn, warps = 128, 128, 8
+    bk = group_block_k(64, group, k)
+    return W4A16Config("gemm", bm, bn, bk, 8, 1, warps, fit_stages(bm * bk * 2 + bn * bk // 2, 4, smem))
+
+
+@triton.jit
+def _dequant_f32(
+    w_ptrs,  # [BLOCK_N, BLOCK_K // 8] pointers to packed words
+    word_mask,  # [BLOCK_K // 8] (unused when EVEN_K)
+    s_ptrs,  # [BLOCK_N] scales of this K step's group
+    z_ptrs,  # [BLOCK_N] zero points (HAS_ZP)
+    BLOCK_K: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+):
+    """(q - zero_point) [* scale] as float32 [BLOCK_N, BLOCK_K] (and the scales [BLOCK_N])."""
+    if EVEN_K:
+        words = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        words = tl.load(w_ptrs, mask=word_mask[None, :], other=0, eviction_policy="evict_first")
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)
+    words = tl.interleave(words, words)  # column c holds word c // 8
+    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
+    f = (((words >> shifts[None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + nibble
+    s = tl.load(s_ptrs)
+    if HAS_ZP:
+        f = f - (8388616.0 + tl.load(z_ptrs).to(tl.float32))[:, None]  # 2**23 + 8 + zero point
+    else:
+        f = f - 8388616.0
+    if APPLY_SCALE:
+        f = f * s[:, None]
+    return f, s
+
+
+@triton.jit
+def _w4a16_decode_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, KW] int32
+    s_ptr,  # [N, G] float32 (any strides)
+    z_ptr,  # [N, G] int8 (HAS_ZP)
+    bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
+    y_ptr,  # [M, N] (not IS_SPLIT)
+    part_ptr,  # [SPLIT_K, M, N] float32 (IS_SPLIT)
+    M,
+    N,
+    K,
+    KW,  # words per weight row: ceil(K / 8)
+    GROUP,  # columns per scale
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_ym,
+    K_PER_SPLIT,  # multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,  # 1: the fp32 FMA path; >= 16: tensor cores
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Decode (M <= 64): tiles of W rows, one K split per program along axis 1."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_n = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    k_start = pid_k * K_PER_SPLIT
+    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start // 8 + offs_w)[None, :]
+    s_rows = s_ptr + rows_n * stride_sn
+    z_rows = z_ptr + rows_n * stride_zn
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        x_ptrs = x_ptr + k_start + offs_k
+        for k0 in range(0, k_len, BLOCK_K):
+            g = (k_start + k0) // GROUP
+            word_mask = (k_start + k0) // 8 + offs_w < KW
+            f, s = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                                BLOCK_K, HAS_ZP, EVEN_K, False)  # fmt: skip
+            if EVEN_K:
+                x = tl.load(x_ptrs).to(tl.float32)
+            else:
+                x = tl.load(x_ptrs, mask=k0 + offs_k < k_len, other=0.0).to(tl.float32)
+            acc += tl.sum(f * x[None, :], axis=1) * s
+            w_ptrs += BLOCK_K // 8
+            x_ptrs += BLOCK_K
+        if IS_SPLIT:
+            tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        offs_m = tl.arange(0, BLOCK_M)
+        mask_m = offs_m < M
+        rows_m = tl.where(mask_m, offs_m, 0).to(tl.int64)  # padding rows re-read row 0 (never stored)
+        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(0, k_len, BLOCK_K):
+            g = (k_start + k0) // GROUP
+            word_mask = (k_start + k0) // 8 + offs_w < KW
+            f, s = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                                BLOCK_K, HAS_ZP, EVEN_K, True)  # fmt: skip
+            w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
+            if EVEN_K:
+                x = tl.load(x_ptrs)
+            else:
+                x = tl.load(x_ptrs, mask=(k0 + offs_k < k_len)[None, :], other=0.0)
+            if DOT_F32:
+                acc2 += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc2 = tl.dot(w, tl.trans(x), acc2)
+            w_ptrs += BLOCK_K // 8
+            x_ptrs += BLOCK_K
+        out_mask = mask_n[:, None] & mask_m[None, :]
+        if IS_SPLIT:
+            tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc2, mask=out_mask)
+        else:
+            if HAS_BIAS:
+                acc2 += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+            tl.store(y_ptrs, acc2.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _w4a16_gemm_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, KW] int32
+    s_ptr,  # [N, G] float32
+    z_ptr,  # [N, G] int8 (HAS_ZP)
+    bias_ptr,  # [N] (HAS_BIAS)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    K,
+    KW,
+    GROUP,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Prefill: acc[BLOCK_M, BLOCK_N] = x_tile @ dequant(W_tile)^T, tiles swizzled by GROUP_M."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_size_m
+    pid_n = (pid % num_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = (offs_m % M).to(tl.int64)  # rows past the end wrap around (read, never stored)
+    rows_n = (offs_n % N).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :]
+    s_rows = s_ptr + rows_n * stride_sn
+    z_rows = z_ptr + rows_n * stride_zn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // GROUP
+        word_mask = k0 // 8 + offs_w < KW
+        f, s = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                            BLOCK_K, HAS_ZP, EVEN_K, True)  # fmt: skip
+        w = f.to(x_ptr.dtype.element_ty)
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+        else:
+            x = tl.load(x_ptrs, mask=(k0 + offs_k < K)[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        w_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    part_ptr,  # [SPLIT_K, M, N] float32
+    bias_ptr,  # [N] (HAS_BIAS)
+    y_ptr,  # [M, N]
+    M,
+    N,
+    stride_ym,
+    SPLIT_K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    m = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(part_ptr + s * M * N + m * N + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a16_gemm(
+    x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
+    w_packed: torch.Tensor,  # [N, ceil(K / 8)] int32
+    w_scale: torch.Tensor,  # [N, G] float32 (any strides; column-major is best)
+    w_zero_point: torch.Tensor | None = None,  # [N, G] int8 in [-8, 7]
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [M, N] x.dtype
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) -> [M, N] in x's dtype, float32 accumulation; int4 unpacked in-kernel."""
+    assert x.dim() == 2 and x.stride(1) == 1 and w_packed.stride(1) == 1, (
+        "w4a16_gemm needs K-contiguous x and w_packed"
+    )
+    m, k = x.shape
+    n, kw = w_packed.shape
+    assert w_packed.dtype == torch.int32 and kw == triton.cdiv(k, 8), (
+        f"w_packed {tuple(w_packed.shape)} for K={k}"
+    )
+    assert w_scale.dim() == 2 and w_scale.shape[0] == n and w_scale.dtype == torch.float32
+    groups = w_scale.shape[1]
+    assert k % groups == 0, f"K={k} is not a multiple of {groups} groups"
+    group = k // groups
+    has_zp = w_zero_point is not None
+    if has_zp:
+        assert w_zero_point.shape == w_scale.shape and w_zero_point.dtype == torch.int8
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
+    if m == 0:
+        return out
+    cfg = config or pick_w4a16_config(m, n, k, group, sm_count_for(x), max_shared_memory(x))
+    bk = group_block_k(cfg.block_k, group, k)
+    even_k = k % bk == 0
+    zp = w_zero_point if has_zp else w_scale  # any pointer: never read without HAS_ZP
+    zs = (zp.stride(0), zp.stride(1))
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else w_scale
+    common = (m, n, k, kw, group, x.stride(0), w_packed.stride(0), w_scale.stride(0), w_scale.stride(1), *zs)
+    if cfg.mode == "gemm":
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        _w4a16_gemm_kernel[grid](
+            x, w_packed, w_scale, zp, bias_arg, out, *common, out.stride(0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, HAS_ZP=has_zp,
+            HAS_BIAS=has_bias, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return out
+    block_m = 1 if cfg.mode == "gemv" else cfg.block_m
+    assert block_m >= m, f"block_m {block_m} < {m} rows"
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), bk) * bk
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _w4a16_decode_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        x, w_packed, w_scale, zp, bias_arg, out, part, *common, out.stride(0), k_per_split,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp, HAS_BIAS=has_bias and split == 1,
+        IS_SPLIT=split > 1, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, next_pow2(n))
+        _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
+            part, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
+        )
+    return out

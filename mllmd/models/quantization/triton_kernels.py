@@ -1,0 +1,92 @@
+"""Triton GEMM kernels for the quantized Linear layers on CUDA (mllmd_kernels; torch references in `kernels`).
+
+* TritonW8A8Kernel: per-token int8 activation quantization (`int8_quant`, compressed-tensors'
+  rounding bit for bit), then int8 x int8 -> int32 on the tensor cores with the per-token and
+  per-channel scales (and bias) in the epilogue (`int8_gemm`). The int8 weight [N, K] is used as
+  stored (K-major is what int8 MMA wants).
+* TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
+  path for small batches and a tiled prefill path. The packed weight is used as stored; the scales
+  (and zero points) are made column-major once at load (same shape, same bytes), so a K step reads
+  the scales of a block of rows contiguously.
+
+Both are registered ahead of the torch references (mllmd.models.quantization imports this module)
+and accept only CUDA devices with Triton, so CPU runs keep the references. `apply` launches kernels
+whose shapes depend only on x.shape: no host synchronisation, CUDA-graph capturable. The layer's
+parameters stay the checkpoint's quantized tensors, so weight_bytes counts what is read per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from mllmd_kernels import int8_gemm, int8_quant, triton_available, w4a16_gemm
+from torch import nn
+
+from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
+from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel
+
+if TYPE_CHECKING:
+    from mllmd.models.layers.linear import Linear
+
+
+def _triton_cuda(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"needs a CUDA device (got {device.type})"
+    if not triton_available():
+        return "Triton is not installed"
+    return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as [T, K] with a unit last stride."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _column_major(t: torch.Tensor) -> nn.Parameter:
+    """The same [N, G] values stored G-major (strides (1, N)): a K step reads N-contiguous scales."""
+    return nn.Parameter(t.detach().t().contiguous().t(), requires_grad=False)
+
+
+class TritonW8A8Kernel(QuantLinearKernel):
+    """W8A8 on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM with fused scaling."""
+
+    @classmethod
+    def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
+        if scheme.method != W8A8:
+            return f"only {W8A8}"
+        return _triton_cuda(device)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = _rows(x)
+        q, s = int8_quant(x2)
+        out = int8_gemm(q, layer.weight, s, layer.weight_scale, x.dtype, bias)
+        return out.reshape(*x.shape[:-1], layer.weight.shape[0])
+
+
+class TritonW4A16Kernel(QuantLinearKernel):
+    """W4A16 on CUDA: in-kernel int4 unpacking and group dequantization (decode and prefill tilings)."""
+
+    @classmethod
+    def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
+        if scheme.method != W4A16:
+            return f"only {W4A16}"
+        if scheme.group_size is not None and scheme.group_size % 16:
+            return f"group size {scheme.group_size} is not a multiple of 16"
+        return _triton_cuda(device)
+
+    def process_weights(self, layer: Linear) -> None:
+        layer.weight_scale = _column_major(layer.weight_scale)
+        if getattr(layer, "weight_zero_point", None) is not None:
+            layer.weight_zero_point = _column_major(layer.weight_zero_point)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = _rows(x)
+        zero_point = getattr(layer, "weight_zero_point", None)
+        out = w4a16_gemm(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
+        return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
+
+
+register_kernel(TritonW8A8Kernel)
+register_kernel(TritonW4A16Kernel)

@@ -1,0 +1,120 @@
+"""w4a16_gemm (int4 weights unpacked and dequantized in the kernel) against dequantize + matmul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mllmd_kernels import W4A16Config, pack_int4_ref, w4a16_gemm, w4a16_gemm_ref
+from mllmd_kernels.testing import (
+    DTYPES,
+    REL_TOL,
+    kernel_device,
+    on_gpu,
+    poisoned,
+    randn,
+    rel_err,
+    skip_reason,
+)
+
+DEVICE = kernel_device()
+pytestmark = pytest.mark.skipif(DEVICE is None, reason=skip_reason())
+
+# (M, N, K, group or None for channel-wise, asymmetric): gemv (M == 1), skinny (2..64) and gemm (> 64)
+# paths; every group size, channel-wise with K off the block and off a whole word (K % 8 != 0).
+SMALL = [
+    (1, 40, 256, 128, False),
+    (1, 33, 196, None, True),
+    (3, 24, 256, 32, True),
+    (17, 40, 128, 64, False),
+    (40, 72, 192, 64, True),
+    (37, 20, 100, None, False),
+    (70, 24, 128, 32, True),
+]
+GPU = [
+    (1, 6144, 4096, 128, False),
+    (1, 4096, 12288, 32, True),
+    (4, 24576, 4096, 128, False),
+    (16, 4096, 4096, 64, True),
+    (64, 6144, 4096, 128, False),
+    (333, 6152, 4096, None, False),
+    (2048, 4096, 12288, 128, False),
+    (2048, 6144, 4096, 32, True),
+]
+SHAPES = SMALL + (GPU if on_gpu() else [])
+
+
+def make_weights(
+    n: int, k: int, group: int | None, asym: bool, g: torch.Generator, col_major: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Random int4 weights packed as compressed-tensors packs them, with scales (and zero points)."""
+    groups = 1 if group is None else k // group
+    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, groups, generator=g) * 0.02 / k**0.5 + 1e-4
+    zp = torch.randint(-8, 8, (n, groups), generator=g, dtype=torch.int8) if asym else None
+    if col_major:  # what TritonW4A16Kernel keeps (.to() below preserves the strides)
+        scale = scale.t().contiguous().t()
+        zp = zp.t().contiguous().t() if zp is not None else None
+    return pack_int4_ref(q).to(DEVICE), scale.to(DEVICE), zp.to(DEVICE) if zp is not None else None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k", "group", "asym"), SHAPES)
+def test_w4a16_gemm_matches_reference(
+    m: int, n: int, k: int, group: int | None, asym: bool, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    x = randn(m, k, dtype=dtype, device=DEVICE, gen=g)
+    out = poisoned((m, n), dtype, DEVICE)
+    w4a16_gemm(x, packed, scale, zp, out=out)
+    assert not out.isnan().any(), "some outputs were never written"
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp)  # float32 weights: the unrounded function
+    assert rel_err(out, ref) < REL_TOL[dtype]
+    # Against the reference in x's dtype (weights rounded to it, as the torch kernel does).
+    assert rel_err(out, w4a16_gemm_ref(x, packed, scale, zp)) < REL_TOL[dtype]
+
+
+CONFIGS = [
+    W4A16Config("gemv", 1, 16, 32, 1, 3, 4, 1),  # split-K with a partial last split
+    W4A16Config("gemv", 1, 32, 128, 1, 1, 4, 2),
+    W4A16Config("skinny", 16, 16, 32, 1, 3, 4, 2),
+    W4A16Config("skinny", 32, 32, 64, 1, 2, 4, 3),
+    W4A16Config("gemm", 16, 32, 32, 2, 1, 4, 2),  # swizzled groups of tiles, partial edge tiles
+    W4A16Config("gemm", 32, 16, 64, 3, 1, 4, 3),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c.mode}-m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}"
+)
+@pytest.mark.parametrize(("group", "asym", "col_major"), [(32, True, True), (None, False, False)])
+def test_w4a16_gemm_explicit_tilings(
+    cfg: W4A16Config, group: int | None, asym: bool, col_major: bool
+) -> None:
+    """Explicit tilings (split-K included) on a strided x with bias; row- and column-major scales."""
+    m = 1 if cfg.mode == "gemv" else (min(cfg.block_m - 3, 13) if cfg.mode == "skinny" else 45)
+    n, k = 50, 224 if group else 220
+    g = torch.Generator().manual_seed(cfg.block_n * 100 + cfg.split_k + cfg.block_m)
+    packed, scale, zp = make_weights(n, k, group, asym, g, col_major)
+    assert scale.stride() == ((1, n) if col_major else (1, 1))
+    x = randn(m, k + 8, dtype=torch.bfloat16, device=DEVICE, gen=g)[:, 4 : 4 + k]  # row stride k + 8
+    bias = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    out = w4a16_gemm(x, packed, scale, zp, bias, config=cfg)
+    assert out.shape == (m, n) and not out.isnan().any()
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp, bias.float())
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+
+
+def test_w4a16_gemm_float32_activations() -> None:
+    g = torch.Generator().manual_seed(5)
+    packed, scale, zp = make_weights(24, 128, 64, True, g)
+    for m in (1, 5, 40):
+        x = randn(m, 128, dtype=torch.float32, device=DEVICE, gen=g)
+        out = w4a16_gemm(x, packed, scale, zp)
+        assert rel_err(out, w4a16_gemm_ref(x, packed, scale, zp)) < REL_TOL[torch.float32]
+
+
+def test_w4a16_gemm_empty_batch() -> None:
+    g = torch.Generator().manual_seed(0)
+    packed, scale, _ = make_weights(8, 64, 32, False, g)
+    assert w4a16_gemm(torch.zeros(0, 64, dtype=torch.float16, device=DEVICE), packed, scale).shape == (0, 8)

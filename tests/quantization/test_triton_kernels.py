@@ -1,0 +1,237 @@
+"""The Triton kernels of quantized Linear layers (TritonW8A8Kernel, TritonW4A16Kernel) against the torch
+reference kernels, on the same layers: random ones packed by compressed-tensors and layer 0 of the
+tiny checkpoints compressed-tensors quantized. Runs on CUDA, or on the CPU under TRITON_INTERPRET=1
+(the kernels are then launched directly: on the CPU `select_kernel` keeps the references)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from mllmd_kernels import dequantize_int4_ref, int8_quant_ref, pack_int4_ref, unpack_int4_ref
+from mllmd_kernels.testing import REL_TOL, close_tol, kernel_device, on_gpu, rel_err, skip_reason
+
+from mllmd.models.layers import Linear, MergedLinear
+from mllmd.models.quantization import (
+    LinearScheme,
+    QuantLinearKernel,
+    TritonW4A16Kernel,
+    TritonW8A8Kernel,
+    get_linear_scheme,
+    ops,
+    parse_quant_config,
+    select_kernel,
+)
+from mllmd.models.quantization.kernels import TorchW4A16Kernel, TorchW8A8Kernel
+
+DEVICE = kernel_device()
+needs_kernels = pytest.mark.skipif(DEVICE is None, reason=skip_reason())
+
+W8A8_CHANNEL = LinearScheme("w8a8", 8, "channel", None, True)
+W4A16_SCHEMES = {
+    "g128": LinearScheme("w4a16", 4, "group", 128, True),
+    "g64": LinearScheme("w4a16", 4, "group", 64, True),
+    "g32_asym": LinearScheme("w4a16", 4, "group", 32, False),
+    "channel_asym": LinearScheme("w4a16", 4, "channel", None, False),
+}
+_REFERENCE = {"w8a8": TorchW8A8Kernel, "w4a16": TorchW4A16Kernel}
+_TRITON = {"w8a8": TritonW8A8Kernel, "w4a16": TritonW4A16Kernel}
+
+
+def test_cpu_keeps_the_reference_kernels() -> None:
+    cpu = torch.device("cpu")
+    assert type(select_kernel(W8A8_CHANNEL, cpu)) is TorchW8A8Kernel
+    for scheme in W4A16_SCHEMES.values():
+        assert type(select_kernel(scheme, cpu)) is TorchW4A16Kernel
+    assert "CUDA" in TritonW8A8Kernel.can_implement(W8A8_CHANNEL, cpu)
+    assert TritonW8A8Kernel.can_implement(W4A16_SCHEMES["g128"], cpu) is not None
+    assert TritonW4A16Kernel.can_implement(W8A8_CHANNEL, cpu) is not None
+    odd_group = LinearScheme("w4a16", 4, "group", 40, True)
+    assert "multiple of 16" in TritonW4A16Kernel.can_implement(odd_group, torch.device("cuda"))
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs CUDA + triton")
+def test_cuda_prefers_the_triton_kernels() -> None:
+    cuda = torch.device("cuda")
+    assert type(select_kernel(W8A8_CHANNEL, cuda)) is TritonW8A8Kernel
+    for scheme in W4A16_SCHEMES.values():
+        assert type(select_kernel(scheme, cuda)) is TritonW4A16Kernel
+
+
+def test_kernel_library_references_equal_ops() -> None:
+    """mllmd_kernels' torch references compute exactly what mllmd's ops (the CPU path) compute."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 200, generator=g) * torch.logspace(-3, 2, 7).view(7, 1)
+    x[3] = 0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        q, s = int8_quant_ref(x.to(dtype))
+        q_ops, s_ops = ops.per_token_quant_int8(x.to(dtype))
+        assert torch.equal(q, q_ops) and torch.equal(s, s_ops)
+    q4 = torch.randint(-8, 8, (12, 196), generator=g, dtype=torch.int8)
+    packed = pack_int4_ref(q4)
+    assert torch.equal(packed, ops.pack_int4(q4)) and torch.equal(unpack_int4_ref(packed, 196), q4)
+    q4 = q4[:, :192]
+    packed = ops.pack_int4(q4)
+    scale, zp = torch.rand(12, 6, generator=g), torch.randint(-8, 8, (12, 6), generator=g, dtype=torch.int8)
+    for z in (zp, None):
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(
+                dequantize_int4_ref(packed, scale, z, 192, dtype),
+                ops.dequantize_int4(packed, scale, z, 192, dtype),
+            )
+
+
+def _prepare(layer: Linear, kernel_cls: type[QuantLinearKernel]) -> Linear:
+    """Put `layer` (loaded) on the kernel device with `kernel_cls` as its kernel, whatever select_kernel picks."""
+    layer.to(DEVICE)
+    assert layer.quant_method is not None
+    kernel = kernel_cls(layer.quant_method.scheme)
+    kernel.process_weights(layer)
+    layer.quant_method.kernel = kernel
+    return layer
+
+
+def _param_bytes(layer: Linear) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    return {name: (tuple(p.shape), p.dtype) for name, p in layer.named_parameters()}
+
+
+def _random_layer(
+    scheme: LinearScheme, k: int, shards: dict[str, int], bias: bool, dtype: torch.dtype, seed: int
+) -> Linear:
+    """A layer whose shards hold random weights in the checkpoint's own format (compressed-tensors packs the int4)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    g = torch.Generator().manual_seed(seed)
+    layer = (
+        MergedLinear(k, shards, bias=bias, dtype=dtype, quant=scheme)
+        if len(shards) > 1
+        else Linear(k, sum(shards.values()), bias=bias, dtype=dtype, quant=scheme)
+    )
+    for shard, rows in shards.items():
+        name = shard if len(shards) > 1 else None
+        if scheme.method == "w8a8":
+            layer.load_weight(
+                "weight", torch.randint(-128, 128, (rows, k), generator=g, dtype=torch.int8), name
+            )
+            layer.load_weight("weight_scale", torch.rand(rows, 1, generator=g) * 0.01 / k**0.5 + 1e-4, name)
+        else:
+            groups = scheme.num_groups(k)
+            q = torch.randint(-8, 8, (rows, k), generator=g, dtype=torch.int8)
+            layer.load_weight("weight_packed", pack_to_int32(q, 4), name)
+            layer.load_weight(
+                "weight_scale", torch.rand(rows, groups, generator=g) * 0.05 / k**0.5 + 1e-4, name
+            )
+            if not scheme.symmetric:
+                zp = torch.randint(-8, 8, (rows, groups), generator=g, dtype=torch.int8)
+                layer.load_weight("weight_zero_point", pack_to_int32(zp, 4, packed_dim=0), name)
+    if bias:
+        layer.load_weight("bias", torch.randn(layer.out_features, generator=g).to(dtype))
+    return layer
+
+
+def _compare(make: Any, method: str, dtype: torch.dtype, k: int, tokens: tuple[int, ...]) -> None:
+    ref_layer = _prepare(make(), _REFERENCE[method])
+    layer = make()
+    before = _param_bytes(layer)
+    _prepare(layer, _TRITON[method])
+    assert _param_bytes(layer) == before, "the Triton kernel changed what the layer stores"
+    g = torch.Generator().manual_seed(sum(tokens))
+    for t in tokens:
+        x = torch.randn(t, k, generator=g).to(dtype=dtype, device=DEVICE)
+        with torch.no_grad():
+            out, ref = layer(x), ref_layer(x)
+        assert out.shape == ref.shape and out.dtype == ref.dtype == dtype
+        if method == "w8a8":  # same int8 activations, exact int32 sums, same epilogue
+            torch.testing.assert_close(out, ref, **close_tol(dtype))
+        else:  # same dequantized weights; summation order and roundings differ
+            assert rel_err(out, ref) < REL_TOL[dtype], f"T={t}"
+    x3 = torch.randn(2, 3, k, generator=g).to(dtype=dtype, device=DEVICE)  # leading dims are flattened
+    with torch.no_grad():
+        assert layer(x3).shape == (2, 3, layer.out_features)
+        assert rel_err(layer(x3), ref_layer(x3)) < REL_TOL[dtype]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", ["w8a8", *W4A16_SCHEMES])
+def test_triton_kernel_equals_reference_kernel(variant: str, dtype: torch.dtype) -> None:
+    pytest.importorskip("compressed_tensors")
+    scheme = W8A8_CHANNEL if variant == "w8a8" else W4A16_SCHEMES[variant]
+    k = 256
+    fused = {"gate": 40, "up": 24}
+    _compare(lambda: _random_layer(scheme, k, fused, False, dtype, 1), scheme.method, dtype, k, (1, 5, 70))
+    _compare(lambda: _random_layer(scheme, k, {"o": 24}, True, dtype, 2), scheme.method, dtype, k, (1, 3))
+
+
+def _checkpoint_layer(
+    model_dir: Any, prefix: str, shards: dict[str, int], k: int, dtype: torch.dtype
+) -> Linear:
+    from safetensors import safe_open
+
+    qc = parse_quant_config(json.loads((model_dir / "config.json").read_text()))
+    scheme = get_linear_scheme(qc, *(f"{prefix}.{s}" for s in shards))
+    assert scheme is not None
+    layer = MergedLinear(k, shards, dtype=dtype, quant=scheme)
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        for shard in shards:
+            for key in f.keys():
+                if key.startswith(f"{prefix}.{shard}."):
+                    layer.load_shard(key.rsplit(".", 1)[1], shard, f.get_tensor(key))
+    return layer
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["w8a8", "w4a16_g32_asym"])
+def test_triton_kernel_on_a_compressed_tensors_checkpoint(quantized: Any, variant: str) -> None:
+    """Layer 0's fused QKV and gate/up projections as compressed-tensors wrote them (tiny Qwen3)."""
+    pytest.importorskip("compressed_tensors")
+    model_dir = quantized(variant)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    hidden, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    qkv = {
+        "q_proj": cfg["num_attention_heads"] * hd,
+        "k_proj": cfg["num_key_value_heads"] * hd,
+        "v_proj": cfg["num_key_value_heads"] * hd,
+    }
+    method = "w8a8" if variant == "w8a8" else "w4a16"
+    for prefix, shards in (
+        ("model.layers.0.self_attn", qkv),
+        ("model.layers.0.mlp", {"gate_proj": inter, "up_proj": inter}),
+    ):
+        _compare(
+            lambda p=prefix, s=shards: _checkpoint_layer(model_dir, p, s, hidden, torch.bfloat16),
+            method,
+            torch.bfloat16,
+            hidden,
+            (1, 7, 80),
+        )
+
+
+@pytest.mark.skipif(not on_gpu(), reason="needs CUDA + triton")
+@pytest.mark.parametrize("variant", ["w8a8", "g128", "g32_asym"])
+def test_triton_kernel_apply_is_cuda_graph_capturable(variant: str) -> None:
+    """apply() does not synchronise with the host: it captures into a CUDA graph and replays correctly."""
+    pytest.importorskip("compressed_tensors")
+    scheme = W8A8_CHANNEL if variant == "w8a8" else W4A16_SCHEMES[variant]
+    layer = _prepare(
+        _random_layer(scheme, 4096, {"gate": 512, "up": 512}, False, torch.bfloat16, 3),
+        _TRITON[scheme.method],
+    )
+    for t in (1, 16, 300):
+        x = torch.randn(t, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            eager = layer(x)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                layer(x)  # warm up outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(x)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, layer(x)) and not torch.equal(out, eager)
