@@ -179,7 +179,7 @@ def _int8_gemm_kernel(
             k_mask = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0)
             b = tl.load(b_ptrs, mask=k_mask[None, :], other=0)
-        acc = tl.dot(a, tl.trans(b), acc)
+        acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     mask_m = offs_m < M
@@ -235,7 +235,7 @@ def _int8_skinny_kernel(
             k_mask = (k0 + offs_k) < k_len
             b = tl.load(b_ptrs, mask=k_mask[None, :], other=0, eviction_policy="evict_first")
             a = tl.load(a_ptrs, mask=k_mask[None, :], other=0)
-        acc = tl.dot(b, tl.trans(a), acc)
+        acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
         b_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     out_mask = mask_n[:, None] & mask_m[None, :]

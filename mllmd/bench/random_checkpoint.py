@@ -34,22 +34,29 @@ def _meta_model(config_dict: dict[str, Any]) -> Any:
         return AutoModelForCausalLM.from_config(config)
 
 
-def _random_tensor(name: str, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator, device: str) -> torch.Tensor:
+def _random_tensor(
+    name: str, shape: torch.Size, dtype: torch.dtype, gen: torch.Generator, device: str, gain: float
+) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return (1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)).to(dtype)
     if "embed_tokens" in name or name.startswith("lm_head"):
         return torch.randn(shape, generator=gen, device=device).to(dtype)
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    std = 1.5 / math.sqrt(shape[-1])
+    std = gain / math.sqrt(shape[-1])
     return (torch.randn(shape, generator=gen, device=device) * std).to(dtype)
 
 
 def build_random_checkpoint(
     out_dir: str | Path, source: str = "Qwen3-8B", *, dtype: str = "bfloat16", seed: int = 0,
-    device: str = "cuda", overrides: dict[str, Any] | None = None,
+    device: str = "cuda", overrides: dict[str, Any] | None = None, linear_gain: float = 1.5,
 ) -> Path:
-    """Write a random checkpoint of `source`'s real shapes (optionally with config `overrides`)."""
+    """Write a random checkpoint of `source`'s real shapes (optionally with config `overrides`).
+
+    `linear_gain`: linear weights have std gain / sqrt(fan_in). At 1.5 each sub-layer grows the
+    residual stream and a deep model becomes chaotic (one bf16 rounding changes the logits by a few
+    percent, as in transformers' own bf16 run); about 0.5 gives a well-conditioned model, as trained
+    models are, for comparing bf16 numerics against fp32."""
     src = ck.find_model_source(source)
     raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
     config = dict(raw)
@@ -77,7 +84,7 @@ def build_random_checkpoint(
     for name, p in model.named_parameters():
         if tied and name == "lm_head.weight":
             continue
-        t = _random_tensor(name, p.shape, tdtype, gen, device).cpu()
+        t = _random_tensor(name, p.shape, tdtype, gen, device, linear_gain).cpu()
         shard[name] = t
         shard_bytes += t.numel() * t.element_size()
         if shard_bytes >= SHARD_BYTES:
@@ -97,7 +104,7 @@ def build_random_checkpoint(
     ck._build_tokenizer(src, raw, out)
     ck._write_json(
         out / ck.MARKER_NAME,
-        {"weights": "random", "builder": "mllmd.bench.random_checkpoint", "params": {"source": str(source), "seed": seed}},
+        {"weights": "random", "builder": "mllmd.bench.random_checkpoint", "params": {"source": str(source), "seed": seed, "linear_gain": linear_gain}},
     )
     return out
 
