@@ -46,7 +46,10 @@ class EngineConfig:
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
     mem_fraction_static: float = _f("runtime", 0.85, "fraction of device memory for weights + KV cache")
-    disable_cuda_graph: bool = _f("runtime", False, "run decode without CUDA graphs")
+    disable_cuda_graph: bool = _f(
+        "runtime", True,
+        "run decode without CUDA graphs (default until the 8B mixed-load crash in issue 6 is fixed; false: graphs)",
+    )
     cuda_graph_max_bs: int = _f("runtime", 64, "largest decode batch run as a CUDA graph (bigger ones run eagerly)")
     random_seed: int = _f("runtime", 0, "seed for requests that give none")
     cpu_kv_cache_max_tokens: int = _f("runtime", 131072, "cap on the default KV-cache size on CPU")

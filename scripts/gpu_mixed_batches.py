@@ -12,10 +12,11 @@ import sys
 import time
 
 VARIANTS = {
-    "default": {},
-    "no_graph": {"disable_cuda_graph": True},
-    "no_radix": {"disable_radix_cache": True},
+    "graphs": {"disable_cuda_graph": False},
+    "no_graph": {},
+    "graphs_no_radix": {"disable_cuda_graph": False, "disable_radix_cache": True},
     "torch_attn": {"attention_backend": "torch"},
+    "no_graph_no_radix": {"disable_radix_cache": True},
 }
 
 

@@ -150,7 +150,7 @@ def test_cuda_graph_padding_matches_eager(model_0_6b: Path):
     """3 requests replay the graph captured for 4 (one padding row): same tokens as eager decode."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:3]
-    a = _llm(model_0_6b, dtype="float32").generate(prompts, params)
+    a = _llm(model_0_6b, dtype="float32", disable_cuda_graph=False).generate(prompts, params)
     b = _llm(model_0_6b, dtype="float32", disable_cuda_graph=True).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
@@ -165,4 +165,4 @@ def test_long_prompt_sdpa_path_matches_extend_kernel(conditioned_0_6b: Path, mon
     monkeypatch.setattr(triton_backend, "SDPA_MIN_TOKENS", 10**9)
     kernel = _prefill_logits(llm, ids).double()
     rel = ((dense - kernel).norm() / kernel.norm()).item()
-    assert rel < 1e-2, f"SDPA and extend-kernel logits differ by {rel:.3g}"
+    assert rel < 2e-2, f"SDPA and extend-kernel logits differ by {rel:.3g}"
