@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from mllmd_kernels import decode_attention, decode_num_splits, extend_attention
 from mllmd_kernels._triton import sm_count_for
 
@@ -28,12 +27,6 @@ class _DecodeMeta:
 class _ExtendMeta:
     qo_start: torch.Tensor  # [B] int64 first query row of each batch row
     max_extend_len: int
-    dense_causal: bool = False  # one request, no cached prefix: plain causal attention over q/k/v
-
-
-# A lone prompt without a cached prefix at least this long goes to torch's fused SDPA (flash
-# attention where the device has it): about 2x our extend kernel at 2,048 tokens on an H200.
-SDPA_MIN_TOKENS = 256
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -44,9 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
             batch.attn_metadata = _DecodeMeta(splits)
             return
         qo_start = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens  # [B]
-        max_len = max(batch.extend_lens_cpu, default=0)
-        dense = batch.batch_size == 1 and batch.prefix_lens_cpu[0] == 0 and max_len >= SDPA_MIN_TOKENS
-        batch.attn_metadata = _ExtendMeta(qo_start, max_len, dense)
+        batch.attn_metadata = _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
@@ -67,23 +58,7 @@ class TritonAttentionBackend(AttentionBackend):
                 q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, scale,
                 num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse,
             )
-        if meta.dense_causal and q.dtype in (torch.float16, torch.bfloat16):
-            return _dense_causal(q, k.to(q.dtype), v.to(q.dtype), scale)
         return extend_attention(
             q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
             meta.qo_start, meta.max_extend_len, scale,
         )
-
-
-def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D] (torch >= 2.0 SDPA;
-    K/V heads are repeated for GQA, since enable_gqa needs torch 2.5)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        is_causal=True, scale=scale,
-    )  # [1, Hq, T, D]
-    return out[0].transpose(0, 1)
