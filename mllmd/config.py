@@ -41,6 +41,10 @@ class EngineConfig:
     max_running_requests: int = _f("scheduler", 64, "most requests decoding at once")
     max_total_tokens: int | None = _f("scheduler", None, "KV-cache size in tokens; default: sized from memory")
     max_prefill_tokens: int = _f("scheduler", 8192, "token budget of one step (prefill chunks + decodes)")
+    overlap_schedule: bool = _f(
+        "scheduler", False,
+        "schedule and launch step N+1 while the device runs step N (tokens are reported one step later)",
+    )
     chunked_prefill_size: int = _f("scheduler", 2048, "longest prefill chunk of one request per step; 0 disables chunking")
     page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")

@@ -106,11 +106,13 @@ def time_engine(llm: LLM, prompts: list[list[int]], output_len: int, profile_pat
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         prof = profile(activities=acts)
         prof.__enter__()
+    overlap = engine.config.overlap_schedule
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
             engine.step()
-            _sync(device)
+            if not overlap:  # with overlap a step returns once the previous step's tokens are in
+                _sync(device)
             decodes.append(time.perf_counter() - t0)
     finally:
         if prof is not None:
@@ -163,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--overlap", action="store_true", help="scheduler.overlap_schedule: launch step N+1 before N's tokens arrive")
     ap.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace per case here")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: exactly what the cases need)")
     args = ap.parse_args(argv)
@@ -181,6 +184,7 @@ def main(argv: list[str] | None = None) -> None:
         random_seed=args.seed,
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,
+        overlap_schedule=args.overlap,
         cuda_graph_max_bs=max(max_bs, 1),
     )
     info = llm.engine.info
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dtype": str(info.dtype).replace("torch.", ""),
                 "attention_backend": type(runner.attn_backend).__name__,
                 "cuda_graph": runner.graph_runner is not None,
+                "overlap_schedule": llm.engine.config.overlap_schedule,
                 "quantization": info.quantization,
                 "weight_bytes": info.weight_bytes,
                 "weight_bytes_per_step": step_weight_bytes,

@@ -30,18 +30,31 @@ def to_device(data: Any, dtype: torch.dtype, device: torch.device | str) -> torc
     return host.to(dev, non_blocking=True)
 
 
+class PendingFetch:
+    """Device tensors on their way to the host: `wait()` returns their `.tolist()` values."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor | None]) -> None:
+        self._slots = [t is not None for t in tensors]
+        live = [t for t in tensors if t is not None]
+        self._event: torch.cuda.Event | None = None
+        if live and live[0].is_cuda:
+            hosts = []
+            for t in live:
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                hosts.append(h)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            live = hosts
+        self._live = live
+
+    def wait(self) -> list[list[Any] | None]:
+        if self._event is not None:
+            self._event.synchronize()  # a wait for this event only (not a stream sync)
+        it = iter(self._live)
+        return [next(it).tolist() if present else None for present in self._slots]
+
+
 def fetch(tensors: Sequence[torch.Tensor | None]) -> list[list[Any] | None]:
     """`.tolist()` of each tensor (None stays None); on CUDA through pinned buffers and one event."""
-    live = [t for t in tensors if t is not None]
-    if live and live[0].is_cuda:
-        hosts = []
-        for t in live:
-            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            h.copy_(t, non_blocking=True)
-            hosts.append(h)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()  # the step's single wait for the GPU (not a stream sync)
-        live = hosts
-    it = iter(live)
-    return [None if t is None else next(it).tolist() for t in tensors]
+    return PendingFetch(tensors).wait()

@@ -7,19 +7,38 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
 from mllmd.config import EngineConfig
-from mllmd.engine.device_io import fetch
+from mllmd.engine.device_io import PendingFetch, to_device
 from mllmd.engine.model_runner import ModelRunner
 from mllmd.engine.prefix_cache import ChunkCache, PrefixCache, RadixCache
-from mllmd.engine.request import AdmissionError, Req, ReqStatus, RequestOutput
+from mllmd.engine.request import PLACEHOLDER, AdmissionError, Req, ReqStatus, RequestOutput
 from mllmd.engine.sampling import Sampler, SamplingBatchInfo
 from mllmd.engine.scheduler import Scheduler
 from mllmd.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
+
+
+@dataclass
+class _Launched:
+    """A sampled batch whose tokens are still on the device: row i is reqs[i]'s token at positions[i]."""
+
+    reqs: list[Req]
+    positions: list[int]
+    pending: PendingFetch
+
+
+def _uses_output_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _drop_placeholders(req: Req) -> None:
+    while req.token_ids and req.token_ids[-1] == PLACEHOLDER:
+        req.token_ids.pop()
 
 
 class Engine:
@@ -46,6 +65,7 @@ class Engine:
         self._rng = random.Random(config.random_seed)
         self.reqs: dict[str, Req] = {}
         self._pending_outputs: list[RequestOutput] = []
+        self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -83,30 +103,54 @@ class Engine:
         if req is None or req.finished:
             return False
         self.scheduler.abort(req)
+        _drop_placeholders(req)
         req.finish_reason = "abort"
         self._pending_outputs.append(self._output(req, [], None, None))
         del self.reqs[rid]
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one batch; return what changed for each request touched (plus aborts since last step)."""
+        """Run one batch; return what changed for each request touched (plus aborts since last step).
+
+        With `overlap_schedule`, the tokens of this step's batch are reported by the next call: the
+        host schedules and launches batch N+1 while the device still runs batch N (see _Launched).
+        """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._inflight is not None and not self._can_overlap():
+            outputs += self._complete(self._inflight)
+            self._inflight = None
+        launched = None
         sched = self.scheduler.schedule()
-        if sched is None:
-            return outputs
-        batch = self.runner.prepare(sched)
-        logits = self.runner.forward(batch)
-        self.scheduler.commit(sched)
-        sampling_reqs = [r for r, need in zip(sched.reqs, sched.needs_logits) if need]
-        if sampling_reqs:
-            outputs += self._sample_and_finish(sampling_reqs, logits)
+        if sched is not None:
+            batch = self.runner.prepare(sched)
+            logits = self.runner.forward(batch)
+            self.scheduler.commit(sched)
+            sampling_reqs = [r for r, need in zip(sched.reqs, sched.needs_logits) if need]
+            if sampling_reqs:
+                launched = self._launch_sampling(sampling_reqs, logits)
+        if self._inflight is not None:
+            outputs += self._complete(self._inflight)  # the device runs `launched` meanwhile
+            self._inflight = None
+        if launched is not None:
+            if self.config.overlap_schedule:
+                self._inflight = launched
+            else:
+                outputs += self._complete(launched)
         return outputs
 
-    def _sample_and_finish(self, reqs: list[Req], logits: torch.Tensor) -> list[RequestOutput]:
+    def _can_overlap(self) -> bool:
+        """Overlap needs no output token on the host before sampling: not with penalties."""
+        if not self.config.overlap_schedule:
+            return False
+        return not any(_uses_output_penalties(r.params) for r in self.scheduler.running)
+
+    def _launch_sampling(self, reqs: list[Req], logits: torch.Tensor) -> _Launched:
+        """Sample on the device and start copying the tokens back; with overlap, each request gets a
+        placeholder token that the device-side token buffer stands in for until _complete fills it."""
         info = SamplingBatchInfo.build(
             [r.params for r in reqs],
             [r.seed for r in reqs],
@@ -116,16 +160,29 @@ class Engine:
             self.runner.device,
         )
         out = self.sampler(logits, info)
-        # the step's one wait for the device: sampled ids (and logprobs) through pinned memory
-        next_ids, chosen_lp, top_ids, top_lps = fetch(
-            [out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs]
-        )
+        positions = [len(r.token_ids) for r in reqs]
+        if self.config.overlap_schedule:
+            slots = to_device([r.req_pool_idx for r in reqs], torch.int64, self.runner.device)
+            self.runner.token_buf[slots] = out.next_token_ids
+            for r in reqs:
+                r.token_ids.append(PLACEHOLDER)
+        pending = PendingFetch([out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs])
+        return _Launched(reqs, positions, pending)
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched batch's tokens; record them, check stops, report."""
+        next_ids, chosen_lp, top_ids, top_lps = launched.pending.wait()
         assert next_ids is not None
         now = time.monotonic()
         results = []
-        for i, req in enumerate(reqs):
+        for i, (req, pos) in enumerate(zip(launched.reqs, launched.positions)):
+            if req.finished:  # finished or aborted while this batch was in flight
+                continue
             tok = next_ids[i]
-            req.token_ids.append(tok)
+            if pos < len(req.token_ids):
+                req.token_ids[pos] = tok  # the placeholder
+            else:
+                req.token_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
             lp = top = None
@@ -135,14 +192,16 @@ class Engine:
                 top = [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k and top_ids is not None else [[]]
                 req.logprobs += lp
                 req.top_logprobs += top
-            reason = self._check_finish(req, tok)
+            num_output = pos + 1 - len(req.prompt_ids)
+            reason = self._check_finish(req, tok, num_output, pos + 1)
             if reason is not None:
+                del req.token_ids[pos + 1 :]  # the in-flight batch's placeholder, if any
                 self.scheduler.finish(req, reason)
                 self.reqs.pop(req.rid, None)
-            results.append(self._output(req, [tok], lp, top))
+            results.append(self._output(req, [tok], lp, top, num_output))
         return results
 
-    def _check_finish(self, req: Req, tok: int) -> str | None:
+    def _check_finish(self, req: Req, tok: int, num_output: int, length: int) -> str | None:
         p = req.params
         if tok in p.stop_token_ids:
             req.matched_stop = tok
@@ -150,12 +209,17 @@ class Engine:
         if not p.ignore_eos and tok in self.info.eos_token_ids:
             req.matched_stop = tok
             return "stop"
-        if req.num_output >= p.max_tokens or len(req.token_ids) >= self.info.context_length:
+        if num_output >= p.max_tokens or length >= self.info.context_length:
             return "length"
         return None
 
     def _output(
-        self, req: Req, new: list[int], lp: list[float] | None, top: list[list[tuple[int, float]]] | None
+        self,
+        req: Req,
+        new: list[int],
+        lp: list[float] | None,
+        top: list[list[tuple[int, float]]] | None,
+        num_output: int | None = None,
     ) -> RequestOutput:
         return RequestOutput(
             rid=req.rid,
@@ -163,7 +227,7 @@ class Engine:
             finished=req.status is ReqStatus.FINISHED,
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.prompt_ids),
-            completion_tokens=req.num_output,
+            completion_tokens=req.num_output if num_output is None else num_output,
             cached_tokens=max(req.cached_tokens, 0),
             new_logprobs=lp,
             new_top_logprobs=top,

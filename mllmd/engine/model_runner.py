@@ -17,6 +17,7 @@ from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
 from mllmd.engine.device_io import to_device
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from mllmd.engine.request import PLACEHOLDER
 from mllmd.engine.scheduler import ScheduledBatch
 from mllmd.models import get_model_class
 from mllmd.models.loader import iter_weights
@@ -132,6 +133,8 @@ class ModelRunner:
         self.max_total_tokens = self._kv_pool_size()
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, context_length, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
+        # last sampled token of each request slot, written on the device by the sampler (overlap)
+        self.token_buf = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
         self.kv_pool = KVPool(
             self.max_total_tokens, self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, dtype, self.device
         )
@@ -250,12 +253,19 @@ class ModelRunner:
         positions: list[int] = []
         seq_lens: list[int] = []
         logits_rows: list[int] = []
+        fill_rows: list[int] = []  # overlap: input positions whose token is still on the device
+        fill_slots: list[int] = []
         for req, p, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens):
+            start = len(input_ids)
             input_ids += req.token_ids[p : p + n]
             positions += range(p, p + n)
             seq_lens.append(p + n)
             if p + n == len(req.token_ids):
                 logits_rows.append(len(input_ids) - 1)
+            if input_ids[-1] == PLACEHOLDER:
+                fill_rows.append(len(input_ids) - 1)
+                fill_slots.append(req.req_pool_idx)
+            assert PLACEHOLDER not in input_ids[start:-1], "only a request's last token can be in flight"
         t, b = len(input_ids), len(seq_lens)
         # [ids T | positions T | req rows B | seq_lens B | extend_lens B | logits rows N]: pinned, async
         staged = to_device(
@@ -264,6 +274,9 @@ class ModelRunner:
             self.device,
         )
         parts = staged.split([t, t, b, b, b, len(logits_rows)])
+        if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer
+            where = to_device([fill_rows, fill_slots], torch.int64, self.device)
+            parts[0][where[0]] = self.token_buf[where[1]]
         batch = ForwardBatch(
             input_ids=parts[0],
             positions=parts[1],

@@ -9,6 +9,10 @@ from typing import Any
 
 from mllmd.sampling_params import SamplingParams
 
+# Stands for a sampled token still on its way from the device (overlap scheduling): the model reads
+# it from the runner's per-request token buffer instead. Never part of a request's reported output.
+PLACEHOLDER = -1
+
 
 class ReqStatus(Enum):
     WAITING = "waiting"

@@ -16,7 +16,7 @@ import torch
 from mllmd.engine.device_io import to_device
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import PrefixCache
-from mllmd.engine.request import Req, ReqStatus
+from mllmd.engine.request import PLACEHOLDER, Req, ReqStatus
 
 
 @dataclass
@@ -138,6 +138,8 @@ class Scheduler:
             req = self.running[i]
             remaining = len(req.token_ids) - req.kv_len
             n = 1 if remaining == 1 else min(remaining, self._chunk_cap(budget))
+            if req.num_output >= req.params.max_tokens:
+                n = 0  # its last token is still on its way (overlap): it finishes by length then
             if n <= 0:
                 i += 1
                 continue
@@ -159,6 +161,8 @@ class Scheduler:
         # Waiting requests, strictly in order, while budget, request slots and KV allow.
         while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
+            if req.token_ids[-1] == PLACEHOLDER:
+                break  # preempted while its last token is on its way: admit it once that arrives
             if not self._admit(req):
                 break
             remaining = len(req.token_ids) - req.kv_len
@@ -215,5 +219,7 @@ class Scheduler:
         req.finish_reason = reason
         if req in self.running:
             self.running.remove(req)
+        elif req.status is ReqStatus.WAITING and req in self.waiting:
+            self.waiting.remove(req)  # preempted, then its in-flight token ended it (overlap)
         self.release(req)
         req.status = ReqStatus.FINISHED

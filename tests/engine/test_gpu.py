@@ -73,10 +73,16 @@ def _llm(path: Path, **kw) -> LLM:
     return LLM(str(path), device="cuda", max_total_tokens=4096, max_running_requests=8, **kw)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graph", "eager"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_fp32_greedy_equals_transformers(model_0_6b: Path, hf_greedy: list[list[int]], backend: str, graphs: bool):
-    llm = _llm(model_0_6b, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs)
+def test_fp32_greedy_equals_transformers(
+    model_0_6b: Path, hf_greedy: list[list[int]], backend: str, graphs: bool, overlap: bool
+):
+    llm = _llm(
+        model_0_6b, dtype="float32", attention_backend=backend, disable_cuda_graph=not graphs,
+        overlap_schedule=overlap,
+    )
     runner = llm.engine.runner
     assert (runner.graph_runner is not None) == (graphs and runner.attn_backend.supports_cuda_graph)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
@@ -124,10 +130,11 @@ def test_bf16_logits_within_2e2_of_fp32_reference(conditioned_0_6b: Path):
     assert rel < 2e-2, f"bf16 logits differ from the fp32 reference by {rel:.3g} (transformers bf16: {hf_rel:.3g})"
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda_graph", "eager"])
-def test_decode_step_never_synchronizes(model_0_6b: Path, graphs: bool):
+def test_decode_step_never_synchronizes(model_0_6b: Path, graphs: bool, overlap: bool):
     """Only the sampled ids come back (pinned memory + an event); everything else is enqueued."""
-    llm = _llm(model_0_6b, dtype="bfloat16", disable_cuda_graph=not graphs)
+    llm = _llm(model_0_6b, dtype="bfloat16", disable_cuda_graph=not graphs, overlap_schedule=overlap)
     engine = llm.engine
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     sampled = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=50, seed=1, ignore_eos=True)
