@@ -12,8 +12,7 @@ import torch
 from mllmd import LLM
 from mllmd.models.layers import Linear
 from mllmd.models.quantization import UnsupportedQuantization
-
-from .conftest import quantize_checkpoint
+from mllmd.testing.quantize import quantize_checkpoint
 
 _DTYPE_BYTES = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1, "I32": 4, "I64": 8, "F8_E4M3": 1}
 

@@ -1,0 +1,85 @@
+"""Quantize a float checkpoint with compressed-tensors itself (what llmcompressor's data-free
+`oneshot(recipe=QuantizationModifier(scheme=..., targets="Linear", ignore=["lm_head"]))` writes).
+
+    python -m mllmd.testing.quantize --base DIR --out DIR --scheme W4A16 [--device cuda]
+
+Attach the preset scheme (`apply_quantization_config`), compute each weight's scale and zero point
+from its min/max per channel or per group (llmcompressor's default "memoryless_minmax" weight
+observer) with `calculate_qparams`, then `ModelCompressor` compresses (int8 / packed int4) and
+writes the `quantization_config`. Needs the test-only dependency compressed-tensors. Used by the
+tests (tiny checkpoints) and by the GPU benchmarks (Qwen3-8B shapes, `--device cuda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+from typing import Any
+
+_SKIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def quantize_checkpoint(
+    base: Path, out: Path, preset: str, weight_overrides: dict[str, Any] | None = None,
+    ignore: tuple[str, ...] = ("lm_head",), device: str = "cpu",
+) -> Path:
+    """Quantize the float checkpoint `base` with compressed-tensors and save it compressed in `out`.
+
+    The scales are computed in float32 from the stored weights, on `device`."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if weight_overrides:
+        scheme.weights = scheme.weights.model_copy(update=weight_overrides)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
+    with torch.no_grad():
+        for module in model.modules():
+            args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+            if args is None:
+                continue
+            w = module.weight
+            observed = w.unflatten(-1, (-1, args.group_size)) if args.strategy == "group" else w.unsqueeze(-2)
+            scale, zero_point = calculate_qparams(observed.amin(-1), observed.amax(-1), args)  # [N, G]
+            module.weight_scale.copy_(scale)
+            if hasattr(module, "weight_zero_point"):
+                module.weight_zero_point.copy_(zero_point)
+            module.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.to("cpu").save_pretrained(out)
+    compressor.update_config(str(out))
+    copy_tokenizer_files(base, out)
+    return out
+
+
+def copy_tokenizer_files(base: Path, out: Path) -> None:
+    for f in base.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIPPED_FILES:
+            shutil.copy(f, out / f.name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--scheme", required=True, help="compressed-tensors preset, e.g. W8A8, W4A16, W4A16_ASYM")
+    ap.add_argument("--group-size", type=int, default=None)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args(argv)
+    overrides = {"group_size": args.group_size} if args.group_size else None
+    print(quantize_checkpoint(Path(args.base), Path(args.out), args.scheme, overrides, device=args.device))
+
+
+if __name__ == "__main__":
+    main()
