@@ -132,8 +132,17 @@ class Scheduler:
         slots: list[torch.Tensor] = []
         budget = self.max_prefill_tokens
 
-        # Running requests, oldest first: decodes always; prefill chunks within the budget.
+        # Steady state: every running request decodes one token; one allocation for all of them.
         i = 0
+        decodes = self._all_decodes()
+        if decodes:
+            got = self._alloc(len(decodes))
+            if got is not None:
+                reqs, lens, slots = decodes, [1] * len(decodes), [got]
+                budget -= len(decodes)
+                i = len(self.running)  # nothing left for the general loop below
+
+        # Running requests, oldest first: decodes always; prefill chunks within the budget.
         while i < len(self.running):
             req = self.running[i]
             remaining = len(req.token_ids) - req.kv_len
@@ -206,6 +215,18 @@ class Scheduler:
         where = to_device([rows, cols], torch.int64, table.device)
         table[where[0], where[1]] = out_cache_loc
         return ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
+
+    def _all_decodes(self) -> list[Req] | None:
+        """The running requests that decode this step, if all of them either decode or wait for their
+        last in-flight token (overlap); None when some request still has prefill work."""
+        out = []
+        for req in self.running:
+            if req.num_output >= req.params.max_tokens:
+                continue
+            if len(req.token_ids) - req.kv_len != 1:
+                return None
+            out.append(req)
+        return out or None
 
     def _chunk_cap(self, budget: int) -> int:
         return budget if self.chunk_size is None else min(budget, self.chunk_size)
