@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mllmd.config import EngineConfig
+from mllmd.detokenizer import DetokenizerState
 from mllmd.engine.engine import Engine
 from mllmd.engine.request import RequestOutput
 from mllmd.sampling_params import SamplingParams
@@ -27,12 +28,6 @@ class GenerationOutput:
     cached_tokens: int = 0
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Index where the earliest stop string begins, if any."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
 
 
 class LLM:
@@ -62,6 +57,7 @@ class LLM:
             raise ValueError(f"got {len(prompt_list)} prompts but {len(params)} sampling params")
         results: dict[str, GenerationOutput] = {}
         order: list[str] = []
+        self._stops: dict[str, DetokenizerState] = {}
         for prompt, p in zip(prompt_list, params):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"llm-{next(self._ids)}"
@@ -69,6 +65,10 @@ class LLM:
             results[rid] = GenerationOutput(rid, ids, logprobs=[] if p.logprobs else None,
                                             top_logprobs=[] if p.logprobs else None)
             order.append(rid)
+            if p.stop:  # stop strings: incremental text, matched across token boundaries
+                self._stops[rid] = DetokenizerState(
+                    self.tokenizer, stop=p.stop, skip_special_tokens=p.skip_special_tokens, prompt_ids=ids
+                )
         by_rid = dict(zip(order, params))
         while self.engine.has_unfinished():
             for out in self.engine.step():
@@ -88,16 +88,21 @@ class LLM:
         if res.logprobs is not None and out.new_logprobs:
             res.logprobs += out.new_logprobs
             res.top_logprobs += out.new_top_logprobs or []  # type: ignore[operator]
+        state = self._stops.get(res.rid)
+        if state is not None:
+            stopped = state.add(out.new_token_ids).stopped
+            if not stopped and out.finished:
+                stopped = state.flush().stopped
+            if stopped:
+                if not out.finished:
+                    self.engine.abort(res.rid)
+                res.text = state.text
+                res.finish_reason = "stop"
+                return
+            if out.finished:
+                res.text = state.text
         if out.finished:
             res.finish_reason = out.finish_reason
-            return
-        if p.stop:
-            text = self.tokenizer.decode(res.token_ids, skip_special_tokens=p.skip_special_tokens)
-            cut = _find_stop(text, p.stop)
-            if cut is not None:
-                self.engine.abort(res.rid)
-                res.text = text[:cut]
-                res.finish_reason = "stop"
 
     def chat(
         self,

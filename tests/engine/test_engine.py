@@ -114,6 +114,20 @@ def test_stop_token_ids_and_max_tokens(llm: LLM) -> None:
     assert out.finish_reason == "stop" and out.token_ids == ref.token_ids[: first + 1]
 
 
+def test_stop_strings_cut_the_text_across_token_boundaries(llm: LLM) -> None:
+    prompt = _random_ids(10, 11)
+    ref = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0]
+    assert len(ref.text) > 12
+    stop = ref.text[8:12]  # four characters, wherever the token boundaries fall
+    cut = ref.text.index(stop)
+    out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=["#never#", stop]))[0]
+    assert out.finish_reason == "stop" and out.text == ref.text[:cut]
+    assert len(out.token_ids) < 24 and ref.token_ids[: len(out.token_ids)] == out.token_ids
+    missing = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=["#never#"]))[0]
+    assert missing.finish_reason == "length" and missing.text == ref.text
+    assert llm.engine.is_idle_and_clean()
+
+
 def test_logprobs_are_returned_per_token(llm: LLM) -> None:
     out = llm.generate([_random_ids(8, 9)], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=3))[0]
     assert out.logprobs is not None and out.top_logprobs is not None
