@@ -151,13 +151,15 @@ class Engine:
     def _launch_sampling(self, reqs: list[Req], logits: torch.Tensor) -> _Launched:
         """Sample on the device and start copying the tokens back; with overlap, each request gets a
         placeholder token that the device-side token buffer stands in for until _complete fills it."""
+        params = [r.params for r in reqs]
         info = SamplingBatchInfo.build(
-            [r.params for r in reqs],
+            params,
             [r.seed for r in reqs],
             [r.prompt_ids for r in reqs],
-            [r.output_ids for r in reqs],
+            [r.output_ids if _uses_output_penalties(p) else [] for r, p in zip(reqs, params)],
             self.info.vocab_size,
             self.runner.device,
+            positions=[r.num_output for r in reqs],
         )
         out = self.sampler(logits, info)
         positions = [len(r.token_ids) for r in reqs]

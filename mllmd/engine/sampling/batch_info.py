@@ -87,10 +87,13 @@ class SamplingBatchInfo:
         output_ids: list[list[int]],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        positions: list[int] | None = None,
     ) -> SamplingBatchInfo:
         """Row i samples the token at output index len(output_ids[i]) of request i with seed seeds[i].
 
         Penalty tensors are built only when some row uses them, noise keys only for sampled rows.
+        `positions` (output indices) may be given instead: then output_ids[i] is only read for rows
+        with penalties, and may be empty for the others.
         """
         b = len(params)
         if not (len(seeds) == len(prompt_ids) == len(output_ids) == b):
@@ -100,7 +103,8 @@ class SamplingBatchInfo:
             )
         dev = torch.device(device)
         v = vocab_size
-        positions = [len(o) for o in output_ids]
+        if positions is None:
+            positions = [len(o) for o in output_ids]
 
         def f32(xs: list[float]) -> torch.Tensor:
             return to_device(xs, torch.float32, dev)
