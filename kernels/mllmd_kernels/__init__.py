@@ -19,6 +19,7 @@ from mllmd_kernels.int8_gemm import (
     w8a8_linear_ref,
 )
 from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
+from mllmd_kernels.kv_indices import kv_indices, kv_indices_ref
 from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
@@ -50,6 +51,8 @@ __all__ = [
     "int8_quant",
     "int8_quant_ref",
     "interpreting",
+    "kv_indices",
+    "kv_indices_ref",
     "pack_int4_ref",
     "pick_gemv_config",
     "pick_int8_config",

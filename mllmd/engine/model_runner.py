@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mllmd.config import EngineConfig
-from mllmd.engine.attention import create_attention_backend
+from mllmd.engine.attention import AttentionBackend, create_attention_backend
 from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
 from mllmd.engine.device_io import to_device
 from mllmd.engine.forward_batch import ForwardBatch
@@ -138,7 +138,7 @@ class ModelRunner:
         self.kv_pool = KVPool(
             self.max_total_tokens, self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, dtype, self.device
         )
-        self.attn_backend = create_attention_backend(config.attention_backend, self.device.type)
+        self.attn_backend = self._attention_backend()
         self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             if self.attn_backend.supports_cuda_graph:
@@ -207,6 +207,13 @@ class ModelRunner:
         )
         return budget
 
+    def _attention_backend(self) -> AttentionBackend:
+        attn = self.model.model.layers[0].self_attn
+        return create_attention_backend(
+            self.config.attention_backend, self.device.type,
+            device=self.device, num_qo_heads=attn.num_heads, scale=attn.scale, dtype=self.info.dtype,
+        )
+
     def _graph_max_bs(self) -> int:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
 
@@ -219,7 +226,7 @@ class ModelRunner:
         table = ReqToTokenPool(1, n, dev)
         slots = torch.arange(1, n + 1, dtype=torch.int64, device=dev)
         table.req_to_token[0, :n] = slots
-        backend = create_attention_backend(self.config.attention_backend, dev.type)
+        backend = self._attention_backend()
         one = torch.ones(1, dtype=torch.int64, device=dev)
         batch = ForwardBatch(
             input_ids=torch.randint(0, info.vocab_size, (n,), device=dev),

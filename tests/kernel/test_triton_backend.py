@@ -23,6 +23,8 @@ def test_backend_factory() -> None:
             create_attention_backend("triton", "cpu")
     with pytest.raises(ValueError, match="attention_backend"):
         create_attention_backend("nope", "cpu")
+    with pytest.raises(ValueError, match="attention_backend: 'flashinfer' needs a CUDA device"):
+        create_attention_backend("flashinfer", "cpu")
     if GPU:
         assert type(create_attention_backend("auto", "cuda")).__name__ == "TritonAttentionBackend"
 

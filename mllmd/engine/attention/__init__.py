@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from mllmd.engine.attention.base import AttentionBackend
 
 
@@ -12,8 +14,20 @@ def _triton_usable(device_type: str) -> bool:
     return HAS_TRITON and (device_type == "cuda" or (device_type == "cpu" and interpreting()))
 
 
-def create_attention_backend(name: str, device_type: str) -> AttentionBackend:
-    """Return the backend for `name` ("auto": triton on CUDA when Triton is installed, else torch)."""
+def create_attention_backend(
+    name: str,
+    device_type: str,
+    *,
+    device: Any = None,
+    num_qo_heads: int | None = None,
+    scale: float | None = None,
+    dtype: Any = None,
+) -> AttentionBackend:
+    """Return the backend for `name` ("auto": triton on CUDA when Triton is installed, else torch).
+
+    `auto` does not pick flashinfer yet: it has not been measured against triton on a GPU here. The
+    keyword arguments (the model's attention geometry) are what the flashinfer backend plans with.
+    """
     if name == "auto":
         name = "triton" if device_type == "cuda" and _triton_usable(device_type) else "torch"
     if name == "torch":
@@ -29,8 +43,22 @@ def create_attention_backend(name: str, device_type: str) -> AttentionBackend:
         from mllmd.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "flashinfer":
+        from mllmd.engine.attention.flashinfer_backend import (
+            FlashInferAttentionBackend,
+            flashinfer_importable,
+        )
+
+        if device_type != "cuda" or not flashinfer_importable():
+            raise ValueError(
+                "runtime.attention_backend: 'flashinfer' needs a CUDA device and the flashinfer-python package "
+                "(pip install 'mllmd[gpu]')"
+            )
+        if num_qo_heads is None or scale is None or dtype is None:
+            raise ValueError("the flashinfer backend needs the model's num_qo_heads, scale and dtype")
+        return FlashInferAttentionBackend(device, num_qo_heads, scale, dtype)
     raise ValueError(
-        f"runtime.attention_backend: {name!r} is not available in this build (available: auto, torch, triton)"
+        f"runtime.attention_backend: {name!r} is not available (choose auto, torch, triton or flashinfer)"
     )
 
 

@@ -1,0 +1,97 @@
+"""FlashInfer attention backend: paged decode and paged prefill-with-prefix (used when importable).
+
+The KV pool is token-level (page size 1): each layer's [S, Hkv, D] buffer is FlashInfer's NHD paged
+cache viewed as [S, 1, Hkv, D]. Per step (not per layer) the backend builds the flat KV-slot list on
+the device (`mllmd_kernels.kv_indices`) and plans the wrapper from host-side lengths the scheduler
+already has, so planning never waits for the GPU; every layer then only runs the planned kernel.
+
+FlashInfer computes in fp16/bf16 only; float32 models use the triton backend. Decode CUDA graphs are
+not wired for this backend yet (`supports_cuda_graph = False`): its plan must run before each replay
+with fixed-size buffers per captured batch size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from mllmd_kernels import kv_indices
+
+from mllmd.engine.attention.base import AttentionBackend
+from mllmd.engine.forward_batch import ForwardBatch
+
+WORKSPACE_BYTES = 256 << 20
+
+
+def flashinfer_importable() -> bool:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA/JIT environment
+        return False
+    return True
+
+
+@dataclass
+class _Meta:
+    wrapper: Any  # the planned decode or prefill wrapper
+    decode: bool
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graph = False
+
+    def __init__(self, device: torch.device, num_qo_heads: int, scale: float, dtype: torch.dtype) -> None:
+        import flashinfer
+
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"runtime.attention_backend: flashinfer computes in float16 or bfloat16, not {dtype}; use triton"
+            )
+        self.device = device
+        self.num_qo_heads = num_qo_heads
+        self.scale = scale
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        pool = batch.kv_pool
+        _, hkv, d = pool.k_buffer[0].shape
+        seq_lens = batch.seq_lens_cpu
+        bsz = len(seq_lens)
+        kv_indptr_host = torch.zeros(bsz + 1, dtype=torch.int32)
+        kv_indptr_host[1:] = torch.cumsum(torch.tensor(seq_lens, dtype=torch.int32), 0)
+        total = int(sum(seq_lens))
+        kv_indptr_dev = torch.zeros(bsz + 1, dtype=torch.int32, device=self.device)
+        kv_indptr_dev[1:] = torch.cumsum(batch.seq_lens, 0)
+        indices = kv_indices(batch.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
+                             kv_indptr_dev, total)
+        last_page_len = torch.ones(bsz, dtype=torch.int32)
+        num_qo_heads = self.num_qo_heads
+        if batch.is_decode:
+            self._decode.plan(
+                kv_indptr_host, indices, last_page_len, num_qo_heads, hkv, d, 1,
+                q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=self.scale,
+            )
+            batch.attn_metadata = _Meta(self._decode, True)
+            return
+        qo_indptr_host = torch.zeros(bsz + 1, dtype=torch.int32)
+        qo_indptr_host[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0)
+        self._prefill.plan(
+            qo_indptr_host, kv_indptr_host, indices, last_page_len, num_qo_heads, hkv, d, 1,
+            causal=True, q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=self.scale,
+        )
+        batch.attn_metadata = _Meta(self._prefill, False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
+    ) -> torch.Tensor:
+        pool = batch.kv_pool
+        pool.store(layer_id, batch.out_cache_loc, k, v)
+        k_cache = pool.k_buffer[layer_id].unsqueeze(1)  # [S, page=1, Hkv, D]
+        v_cache = pool.v_buffer[layer_id].unsqueeze(1)
+        meta: _Meta = batch.attn_metadata
+        if q.dtype != pool.dtype:
+            q = q.to(pool.dtype)
+        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
