@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256: padding wastes at most ~12%."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
+    """1-4, 6, 8, every 4 to 32, every 8 to 64, every 16 to 256 (then max_bs): a padded step computes at
+    most a third more rows than it needs (9 rows run as 12), and at most a quarter from 32 rows on."""
+    sizes = [1, 2, 3, 4, 6, 8] + list(range(12, 33, 4)) + list(range(40, 65, 8)) + list(range(80, 257, 16))
     out = [s for s in sizes if s < max_bs]
     return out + [max_bs]
 

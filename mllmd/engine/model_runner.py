@@ -17,6 +17,7 @@ from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
 from mllmd.engine.device_io import to_device
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
 from mllmd.engine.request import PLACEHOLDER
 from mllmd.engine.scheduler import ScheduledBatch
 from mllmd.models import get_model_class
@@ -185,20 +186,21 @@ class ModelRunner:
         """
         dev = self.device
         props = torch.cuda.get_device_properties(dev)
-        used = torch.cuda.memory_allocated(dev)  # the weights
-        if getattr(props, "is_integrated", False):
-            free = _mem_available_bytes()
-            total = free + torch.cuda.memory_reserved(dev)
-        else:
-            free, total = torch.cuda.mem_get_info(dev)
+        mem = device_memory(
+            bool(getattr(props, "is_integrated", False)),
+            torch.cuda.memory_allocated(dev),  # the weights
+            torch.cuda.mem_get_info(dev),
+            _mem_available_bytes(),
+            torch.cuda.memory_reserved(dev),
+        )
         activations = self.profile_step_bytes()
         vocab = self.info.vocab_size
         sampler = self.config.max_running_requests * vocab * 32  # fp32 logits, a sort (values + int64 ids), noise
         graphs = 0
         if not self.config.disable_cuda_graph:
             graphs = sum(capture_batch_sizes(self._graph_max_bs())) * vocab * 6 + (64 << 20)
-        reserve = activations + sampler + graphs
-        budget = min(total * self.config.mem_fraction_static - used, free - (256 << 20)) - reserve
+        budget = kv_budget_bytes(mem, self.config.mem_fraction_static, activations, sampler, graphs)
+        total, used = mem.total, mem.weights
         logger.info(
             "KV budget %.2f GB: device %.1f GB x %.2f, weights %.2f GB, step activations %.2f GB, "
             "sampler %.2f GB, CUDA graphs %.2f GB",
