@@ -24,11 +24,13 @@ from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
 from mllmd_kernels.w4a16_gemm import (
+    DEQUANT_MIN_ROWS,
     W4A16Config,
     dequantize_int4_ref,
     pack_int4_ref,
     pick_w4a16_config,
     unpack_int4_ref,
+    w4a16_dequantize,
     w4a16_gemm,
     w4a16_gemm_ref,
 )
@@ -37,6 +39,7 @@ __all__ = [
     "HAS_TRITON",
     "GemvConfig",
     "Int8GemmConfig",
+    "DEQUANT_MIN_ROWS",
     "W4A16Config",
     "decode_attention",
     "decode_attention_ref",
@@ -69,6 +72,7 @@ __all__ = [
     "triton_available",
     "triton_runnable",
     "unpack_int4_ref",
+    "w4a16_dequantize",
     "w4a16_gemm",
     "w4a16_gemm_ref",
     "w8a8_linear",

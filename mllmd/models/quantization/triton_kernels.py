@@ -20,7 +20,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from mllmd_kernels import int8_gemm, int8_quant, triton_available, w4a16_gemm
+import torch.nn.functional as F
+from mllmd_kernels import (
+    DEQUANT_MIN_ROWS,
+    int8_gemm,
+    int8_quant,
+    triton_available,
+    w4a16_dequantize,
+    w4a16_gemm,
+)
 from torch import nn
 
 from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
@@ -84,6 +92,10 @@ class TritonW4A16Kernel(QuantLinearKernel):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = _rows(x)
         zero_point = getattr(layer, "weight_zero_point", None)
+        if x2.shape[0] >= DEQUANT_MIN_ROWS:  # prefill: dequantize once, then cuBLAS
+            w = w4a16_dequantize(layer.weight_packed, layer.weight_scale, zero_point, layer.in_features, x2.dtype)
+            out = F.linear(x2, w, bias)
+            return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
         out = w4a16_gemm(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
         return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
 
