@@ -47,7 +47,14 @@ from mllmd_kernels.int8_gemm import (
     w8a8_linear_ref,
 )
 from mllmd_kernels.int8_quant import int8_quant
-from mllmd_kernels.w4a16_gemm import W4A16Config, pick_w4a16_config, w4a16_gemm, w4a16_gemm_ref
+from mllmd_kernels.w4a16_gemm import (
+    DEQUANT_MIN_ROWS,
+    W4A16Config,
+    pick_w4a16_config,
+    w4a16_dequantize,
+    w4a16_gemm,
+    w4a16_gemm_ref,
+)
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -185,6 +192,14 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
+    if m >= DEQUANT_MIN_ROWS:  # what TritonW4A16Kernel runs from this many rows on: dequantize + cuBLAS
+
+        def dq4(i: int) -> torch.Tensor:
+            return torch.nn.functional.linear(xs[i], w4a16_dequantize(w4[i % sets4], s4[i % sets4], None, k, xs[i].dtype))
+
+        err = _rel(dq4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
+        t = time_calls(dq4, sets)
+        emit(_line("w4a16_dequant_cublas", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP))
 
 
 def main(argv: list[str] | None = None) -> None:
