@@ -22,6 +22,7 @@ from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
 from mllmd_kernels.kv_indices import kv_indices, kv_indices_ref
 from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
+from mllmd_kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
 from mllmd_kernels.w4a16_gemm import (
     DEQUANT_MIN_ROWS,
@@ -49,6 +50,8 @@ __all__ = [
     "extend_attention_ref",
     "gemv",
     "gemv_ref",
+    "gumbel_argmax",
+    "gumbel_argmax_ref",
     "int8_gemm",
     "int8_gemm_ref",
     "int8_quant",

@@ -11,7 +11,9 @@ Processing, on a float32 copy of the logits (the input is never modified):
    samples the same token whatever the batch holds.
 4. Logprobs of the raw logits as given (logprobs.py).
 
-Fast paths: an all-greedy batch without bias or penalties is a bare argmax; penalty tensors exist
+Fast paths: an all-greedy batch without bias or penalties is a bare argmax; on CUDA the unfiltered
+sampled rows go through one Triton kernel (mllmd_kernels.gumbel_argmax: the same tokens, without the
+[rows, V] noise and score tensors); penalty tensors exist
 only when some row uses them; noise is drawn only for sampled rows, and for filtered rows only for
 their candidates. On CPU the filters look at a top-256 prefix first (no full sort in the usual
 case); on other devices they sort, which needs no device-to-host sync.
@@ -22,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mllmd_kernels import gumbel_argmax
+from mllmd_kernels._triton import use_triton
 
 from mllmd.engine.sampling.batch_info import SamplingBatchInfo
 from mllmd.engine.sampling.filters import select_candidates
@@ -127,13 +131,22 @@ class Sampler:
         """Gumbel-max over the sampled rows: x [S, V] float32 -> token ids [S]."""
         assert info.temperatures is not None and info.keys is not None
         v = x.shape[1]
-        z = (x - x.max(dim=-1, keepdim=True).values).div_(info.temperatures[:, None])  # [S, V], row max 0
+        fused = use_triton(x) and x.stride(1) == 1  # CUDA: one kernel per unfiltered row, same tokens
+        z = None
+        if info.num_filtered or not fused:
+            z = (x - x.max(dim=-1, keepdim=True).values).div_(info.temperatures[:, None])  # [S, V], row max 0
         out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
         if info.num_filtered < x.shape[0]:
             keys = _take(info.keys, info.plain_idx)
-            zp = _take(z, info.plain_idx)
-            out = _put(out, info.plain_idx, (zp + gumbel_noise(keys, v)).argmax(dim=-1))
+            if fused:
+                rows = info.plain_idx if info.plain_idx is not None else torch.arange(x.shape[0], device=x.device)
+                tok = gumbel_argmax(x, rows, keys, _take(info.temperatures, info.plain_idx))
+            else:
+                assert z is not None
+                tok = (_take(z, info.plain_idx) + gumbel_noise(keys, v)).argmax(dim=-1)
+            out = _put(out, info.plain_idx, tok)
         if info.num_filtered:
+            assert z is not None
             zf = _take(z, info.filter_idx)  # [F, V]
             keys = _take(info.keys, info.filter_idx)
             width = self.prefix_width
