@@ -12,6 +12,7 @@ Conventions are compressed-tensors' own, so that our outputs equal its fake-quan
 from __future__ import annotations
 
 import torch
+from mllmd_kernels.w4a16_gemm import dequantize_int4_ref, pack_int4_ref, unpack_int4_ref
 
 _INT8_RANGE_HALF = 127.5  # (127 - (-128)) / 2
 _FP32_EPS = torch.finfo(torch.float32).eps
@@ -84,33 +85,7 @@ def w8a8_linear_ref(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def unpack_int4(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """int32 [R, ceil(cols / 8)] -> int8 [R, cols] in [-8, 7] (the packing of this module's doc)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)  # [8]
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, W, 8]
-    return (nibbles.reshape(packed.shape[0], -1)[:, :cols] - 8).to(torch.int8)
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """int8 [R, C] in [-8, 7] -> int32 [R, ceil(C / 8)]; the inverse of unpack_int4."""
-    rows, cols = values.shape
-    padded = torch.zeros(rows, -(-cols // 8) * 8, dtype=torch.int64, device=values.device)
-    padded[:, :cols] = values.to(torch.int64) + 8
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=values.device)
-    words = (padded.view(rows, -1, 8) << shifts).sum(-1)  # [R, W], < 2**32
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def dequantize_int4(
-    packed: torch.Tensor,  # [N, ceil(K / 8)] int32
-    scale: torch.Tensor,  # [N, G]
-    zero_point: torch.Tensor | None,  # [N, G] int8 (unpacked), None when symmetric
-    in_features: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """W4A16 weights -> [N, K] `dtype`: (q - zero_point) * scale per group of K / G columns."""
-    n, groups = scale.shape
-    q = unpack_int4(packed, in_features).view(n, groups, in_features // groups).float()  # [N, G, K/G]
-    if zero_point is not None:
-        q = q - zero_point.float().unsqueeze(-1)
-    return (q * scale.float().unsqueeze(-1)).reshape(n, in_features).to(dtype)
+# The int4 packing (unpack / pack / dequantize) is defined once, beside the GPU kernel that reads it.
+unpack_int4 = unpack_int4_ref
+pack_int4 = pack_int4_ref
+dequantize_int4 = dequantize_int4_ref
