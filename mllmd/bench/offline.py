@@ -5,6 +5,8 @@ python -m mllmd.bench.offline --model-path DIR [the dataset options of mllmd.ben
 Same requests (`--token-ids-prompt` or `--tokenizer`), same `--max-concurrency`, same metrics and
 JSON keys as `mllmd.bench.serving`, so the two results show what the multi-process daemon adds:
 the `overhead` block compares them when `--serving-result FILE` names a serving result line.
+`--cpu-threads N` sets the engine's torch threads: on CPU the daemon's scheduler worker leaves one
+core to its other processes by default, so N = cores - 1 compares the two at the same compute.
 """
 
 from __future__ import annotations
@@ -63,18 +65,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--model-path", required=True)
     extra.add_argument("--serving-result", default=None, help="a JSON line from mllmd.bench.serving to compare")
+    extra.add_argument(
+        "--cpu-threads", type=int, default=None,
+        help="torch threads on CPU (default: all cores; the daemon's scheduler worker leaves one core to its other "
+             "processes, so pass that number to compare at the same compute)",
+    )  # fmt: skip
     ours, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
     from mllmd import LLM
 
-    llm = LLM(ours.model_path, max_running_requests=max(args.max_concurrency or 64, 1))
+    config: dict[str, Any] = {"max_running_requests": max(args.max_concurrency or 64, 1)}
+    if ours.cpu_threads is not None:
+        config["cpu_threads"] = ours.cpu_threads
+    llm = LLM(ours.model_path, **config)
     requests = build_requests(args)
     run_offline(llm, requests[: args.warmup_requests], 1, args.temperature, not args.no_ignore_eos)
     llm.engine.flush_cache()
     concurrency = args.max_concurrency or len(requests)
     results, duration = run_offline(llm, requests, concurrency, args.temperature, not args.no_ignore_eos)
     result: dict[str, Any] = {"benchmark": "offline", "model_path": ours.model_path, "max_concurrency": concurrency,
-                              "num_prompts": len(requests), **compute_metrics(requests, results, duration)}
+                              "cpu_threads": ours.cpu_threads, "num_prompts": len(requests),
+                              **compute_metrics(requests, results, duration)}
     if ours.serving_result:
         with open(ours.serving_result, encoding="utf-8") as f:
             serving = json.loads(f.read().strip().splitlines()[-1])

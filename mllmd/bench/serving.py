@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -40,6 +42,7 @@ from mllmd.bench.serving_datasets import (
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 MAX_RECORDED_ERRORS = 100
 MAX_ERROR_CHARS = 500
+DRAIN_TIMEOUT = 5.0  # seconds to read what follows [DONE] (the end of the chunked body)
 
 
 @dataclass
@@ -109,11 +112,34 @@ def _error_text(obj: Any) -> str:
     return json.dumps(obj)[:MAX_ERROR_CHARS]
 
 
+async def _sse_data(resp: httpx.Response) -> AsyncIterator[tuple[float, bytes]]:
+    """(arrival time, payload) of each `data:` line of an SSE body. Lines are split here from the raw
+    bytes (cheaper than httpx's aiter_lines, which matters when the client shares the server's cores);
+    blank separators, comments and `event:` lines are skipped."""
+    pending = b""
+    async for chunk in resp.aiter_bytes():
+        now = time.perf_counter()
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                yield now, line[5:].strip()
+    line = pending.strip()
+    if line.startswith(b"data:"):
+        yield time.perf_counter(), line[5:].strip()
+
+
+async def _drain(events: AsyncIterator[Any]) -> None:
+    async for _ in events:
+        pass
+
+
 async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
     """Send one streaming request and time its chunks; any failure is recorded, never raised."""
     res = RequestResult(start=time.perf_counter())
     last = res.start
     first: float | None = None
+    end: float | None = None
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
@@ -124,31 +150,33 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any
                     pass
                 res.error = f"HTTP {resp.status_code}: {text[:MAX_ERROR_CHARS]}"
                 return res
-            async for line in resp.aiter_lines():
-                line = line.strip()
-                if not line.startswith("data:"):
-                    continue  # blank separators, SSE comments, event: lines
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.perf_counter()
-                obj = json.loads(data)
-                if not isinstance(obj, dict) or obj.get("error"):
-                    res.error = f"stream error: {_error_text(obj)[:MAX_ERROR_CHARS]}"
-                    return res
-                usage = obj.get("usage")
-                if usage:
-                    res.usage = True
-                    res.output_tokens = int(usage.get("completion_tokens") or 0)
-                    res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                if _chunk_text(obj):
-                    res.chunks += 1
-                    if first is None:
-                        first = now
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-        end = time.perf_counter()
+            async with contextlib.aclosing(_sse_data(resp)) as events:
+                async for now, data in events:
+                    if data == b"[DONE]":
+                        end = time.perf_counter()
+                        # read to the end of the body, so the connection goes back to the pool: leaving
+                        # it unread closes it, and every request would pay for a new connection
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(_drain(events), DRAIN_TIMEOUT)
+                        break
+                    obj = json.loads(data)
+                    if not isinstance(obj, dict) or obj.get("error"):
+                        res.error = f"stream error: {_error_text(obj)[:MAX_ERROR_CHARS]}"
+                        return res
+                    usage = obj.get("usage")
+                    if usage:
+                        res.usage = True
+                        res.output_tokens = int(usage.get("completion_tokens") or 0)
+                        res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    if _chunk_text(obj):
+                        res.chunks += 1
+                        if first is None:
+                            first = now
+                        else:
+                            res.itl.append(now - last)
+                        last = now
+        if end is None:  # the body ended without [DONE]
+            end = time.perf_counter()
     except Exception as e:  # a failed request is a data point, not a crash
         res.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
         return res

@@ -118,7 +118,7 @@ class Api:
 
     async def _submit(self, msg: dict[str, Any], n: int) -> list[Any]:
         slot = self.d.serving_slot(n)
-        return await slot.rm.submit({"type": "generate", **msg}, n)
+        return await slot.rm.submit({"type": "generate", **msg}, n, slot.context_length)
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:

@@ -83,8 +83,12 @@ def _unix_listener(path: str) -> socket.socket:
 
 def _tcp_listener(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP (not 0): asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP,
+    # and accepted sockets copy the listener's proto. With Nagle on, a small SSE write waits for the ACK of
+    # the previous one: on a reused (keep-alive) connection that adds a delayed-ACK time (~40 ms) to TTFT.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(512)
     sock.setblocking(False)

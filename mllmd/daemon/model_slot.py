@@ -108,6 +108,12 @@ class ModelSlot:
         """What the scheduler worker reported when it became ready (dtype, device, ...)."""
         return self.supervisor.workers[ipc.SCHEDULER].ready_info
 
+    @property
+    def context_length(self) -> int | None:
+        """The context length the tokenizer worker checks prompts against (from its ready notice)."""
+        h = self.supervisor.workers.get(ipc.TOKENIZER)
+        return h.ready_info.get("context_length") if h is not None else None
+
     def describe(self) -> dict[str, Any]:
         info = self.info
         return {

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from mllmd.workers import ipc
+from mllmd.workers.tokenizer_worker import sampling_params_for
 
 logger = logging.getLogger("mllmd.requests")
 
@@ -44,16 +45,30 @@ class RequestManager:
     def new_rid(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    async def submit(self, msg: dict[str, Any], n: int) -> list[RequestState]:
-        """Send one prompt with n sampling runs (params_list) to the tokenizer; one state per run."""
+    async def submit(self, msg: dict[str, Any], n: int, context_length: int | None = None) -> list[RequestState]:
+        """Send one prompt with n sampling runs to the tokenizer; one state per run.
+
+        A prompt of token ids needs no tokenizer: with the model's `context_length` known, it is checked
+        here (APIError, before anything is registered) and goes straight to the scheduler, one hop less.
+        """
         group = self.new_rid()
         rids = [f"{group}.{i}" for i in range(n)]
+        direct = None
+        if msg.get("mode") == "ids" and context_length:
+            ids = list(msg["input_ids"])
+            direct = (ids, sampling_params_for({**msg, "rids": rids}, len(ids), context_length))
         states = [RequestState(rid, group, owner=self) for rid in rids]
         for s in states:
             self.reqs[s.rid] = s
         self.groups[group] = rids
         logger.debug("submit %s", group)
-        await self.to_tokenizer.send_pyobj({**msg, "rid": group, "rids": rids})
+        if direct is None:
+            await self.to_tokenizer.send_pyobj({**msg, "rid": group, "rids": rids})
+            return states
+        ids, params_list = direct
+        for rid, params in zip(rids, params_list):
+            gen = {"type": "generate", "rid": rid, "input_ids": ids, "params": params, "meta": {}}
+            await self.to_scheduler.send_pyobj(gen)
         return states
 
     async def abort(self, rid: str) -> None:

@@ -42,6 +42,12 @@ def raise_if_error(item: dict[str, Any]) -> None:
 
 async def merged(states: list[Any]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     """(choice index, item) from every state's queue, in arrival order, until all have finished."""
+    if len(states) == 1:  # the common n=1: one queue, no per-item futures
+        while True:
+            item = await states[0].queue.get()
+            yield 0, item
+            if item.get("finished") or "error" in item:
+                return
     pending = {asyncio.ensure_future(s.queue.get()): i for i, s in enumerate(states)}
     try:
         while pending:

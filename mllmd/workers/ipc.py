@@ -3,7 +3,7 @@
 Every message is a dict with a "type" key, pickled with send_pyobj (all peers are our own processes).
     main        PULL  main.sock        <- heartbeats, ready/fatal notices, results, errors
     tokenizer   PULL  tokenizer.sock   <- generate requests from main
-    scheduler   PULL  scheduler.sock   <- tokenized requests, aborts and control from main
+    scheduler   PULL  scheduler.sock   <- tokenized requests (token-id prompts straight from main), aborts, control
     detokenizer PULL  detokenizer.sock <- engine outputs from the scheduler
 """
 
