@@ -132,6 +132,14 @@ class Api:
         names = [self.d.served_model_name] if self.d.served_model_name else []
         return JSONResponse(R.models_list(names, self.d.started_at))
 
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: the served model's card, or OpenAI's 404 model_not_found."""
+        self._auth(request)
+        name = request.path_params["model"]
+        if not self.d.served_model_name or name != self.d.served_model_name:
+            raise model_not_found(name)
+        return JSONResponse(R.model_card(name, self.d.started_at))
+
     async def chat(self, request: Request) -> Response:
         self._auth(request)
         req = protocol.parse_chat_request(await read_json(request, self.d.config.server.max_request_bytes))
@@ -228,6 +236,7 @@ def build_app(daemon: Daemon) -> Starlette:
     routes = [
         Route("/health", _wrap(api.health), methods=["GET"]),
         Route("/v1/models", _wrap(api.models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _wrap(api.model), methods=["GET"]),
         Route("/v1/chat/completions", _wrap(api.chat), methods=["POST"]),
         Route("/v1/completions", _wrap(api.completions), methods=["POST"]),
         Route("/generate", _wrap(api.generate), methods=["POST"]),

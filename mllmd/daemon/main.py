@@ -35,7 +35,7 @@ from mllmd.daemon.models import (
     resolve_in_models_dirs,
 )
 from mllmd.daemon.supervisor import WorkerPolicy
-from mllmd.openai.errors import APIError, service_unavailable
+from mllmd.openai.errors import APIError, bad_request, service_unavailable
 from mllmd.telemetry.collector import TelemetryCollector
 from mllmd.workers import ipc
 
@@ -154,6 +154,12 @@ class Daemon:
         slot = self.active
         running = int(slot.engine_stats.get("running", 0))
         limit = self.config.server.max_queued_requests + self.config.engine.max_running_requests
+        if n > limit:  # could never be admitted, however long the client waits: not a retryable 503
+            raise bad_request(
+                f"n={n} exceeds what this server can hold at once ({limit} requests: "
+                f"server.max_queued_requests + scheduler.max_running_requests)",
+                "n",
+            )
         if slot.rm.num_in_flight + n > limit:
             raise service_unavailable(
                 f"the server is at capacity ({slot.rm.num_in_flight} requests in flight, {running} running; "

@@ -189,3 +189,12 @@ def test_disconnect_while_waiting_aborts(serial: Any) -> None:
                 next(lines)
     latency = _short_latency(serial)
     assert latency < max(2.5, full / 4), f"next request took {latency:.2f} s (full run ~{full:.1f} s)"
+
+
+def test_n_beyond_the_whole_queue_is_a_400_not_a_503(small: Any) -> None:
+    """n=5 can never fit running (2) + queued (2): retrying cannot help, so it is the client's error."""
+    r = httpx.post(small.base_url + "/v1/chat/completions", json={**chat(3), "n": 5}, timeout=30)
+    assert r.status_code == 400 and "retry-after" not in r.headers
+    err = r.json()["error"]
+    assert err["param"] == "n" and "n=5" in err["message"] and "max_queued_requests" in err["message"]
+    assert run_request(small.base_url, {**chat(3), "n": 4})["status"] == 200

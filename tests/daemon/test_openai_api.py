@@ -47,6 +47,16 @@ def test_list_models(client: Any) -> None:
     assert isinstance(models.data[0].created, int)
 
 
+def test_retrieve_model(client: Any) -> None:
+    import openai
+
+    m = client.models.retrieve(MODEL)
+    assert (m.id, m.object) == (MODEL, "model") and isinstance(m.created, int)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.status_code == 404 and err.value.body["code"] == "model_not_found"
+
+
 # ---- chat ------------------------------------------------------------------------------------
 def test_chat_non_streaming_usage_is_exact(client: Any, tokenizer: Any) -> None:
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7, extra_body=IGNORE_EOS)
