@@ -2,7 +2,7 @@
 
 On CUDA with Triton installed the fused kernels are the default (they compute the same function as
 the torch code: see each kernel's reference and tests). `MLLMD_DISABLE_FUSED_KERNELS=1` turns them off,
-for comparisons and for bisecting a numerical difference.
+for comparisons and for bisecting a numerical difference (read once, when the process imports this).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from mllmd_kernels._triton import use_triton
 GEMV_MAX_ROWS = 1
 
 
-def _disabled() -> bool:
-    return os.environ.get("MLLMD_DISABLE_FUSED_KERNELS", "0") == "1"
+# Read once: these checks run for every layer of every eager step.
+_DISABLED = os.environ.get("MLLMD_DISABLE_FUSED_KERNELS", "0") == "1"
 
 
 def fused_kernels(x: torch.Tensor) -> bool:
     """Use the Triton RMSNorm / RoPE / SiLU-and-mul kernels on tensors like `x`."""
-    return use_triton(x) and not _disabled()
+    return not _DISABLED and use_triton(x)
 
 
 def use_gemv(x: torch.Tensor) -> bool:
