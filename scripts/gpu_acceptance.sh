@@ -65,11 +65,22 @@ if want overlap; then
     --overlap --run-name qwen3-8b-overlap --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
 fi
 
-if want mixed; then  # the 8B + CUDA graphs crash under mixed load (issue 6); memcheck names the kernel
+if want mixed; then  # the 8B + CUDA graphs crash under mixed load (issue 6); memcheck only when it fails
   build Qwen3-8B $M8
-  timeout 200 python3 scripts/gpu_mixed_batches.py $M8 graphs graphs_no_radix no_graph
-  timeout 300 compute-sanitizer --tool memcheck --print-limit 5 python3 scripts/gpu_mixed_batches.py --one $M8 \
-    '{"disable_cuda_graph": false}' 2>&1 | grep -vE '^=+ +(at|by) ' | head -40
+  stamp "mixed prefill + decode load, 8B"
+  timeout 300 python3 scripts/gpu_mixed_batches.py $M8 graphs no_graph | tee "$OUT/mixed.txt"
+  if grep -q "graphs: rc=[^0]" "$OUT/mixed.txt"; then
+    timeout 300 compute-sanitizer --tool memcheck --print-limit 5 python3 scripts/gpu_mixed_batches.py --one $M8 \
+      '{"disable_cuda_graph": false}' 2>&1 | grep -vE '^=+ +(at|by) ' | head -40
+  fi
+fi
+
+if want prefill; then  # where a 2,048-token 8B prefill spends its time
+  build Qwen3-8B $M8
+  stamp "8B 2048 prefill, profiled"
+  timeout 240 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 --input-len 2048 --output-len 2 \
+    --run-name qwen3-8b-prefill --result-filename "$OUT/one_batch.jsonl" --prefill-repeats 5 --profile "$OUT/prefill" --profile-phase prefill 2>&1 | grep -E '^\{|Error'
+  head -40 "$OUT"/prefill/*.txt 2>/dev/null | cut -c1-200
 fi
 
 if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the GPU, against bf16

@@ -6,6 +6,7 @@ decode graphs, radix cache): run each variant in a subprocess and report ok / th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -32,6 +33,7 @@ def run_one(model: str, kw: dict) -> None:
     prompts = [[rng.randrange(100, 150000) for _ in range(256)] for _ in range(160)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     t0, steps, done, i = time.time(), 0, 0, 0
+    digest = hashlib.sha256()
     while i < len(prompts) or engine.has_unfinished():
         for _ in range(min(8, len(prompts) - i)):
             if len(engine.reqs) < 64:
@@ -39,8 +41,10 @@ def run_one(model: str, kw: dict) -> None:
                 i += 1
         for out in engine.step():
             done += out.finished
+            digest.update(f"{out.rid}:{out.new_token_ids};".encode())
         steps += 1
-    print(json.dumps({"finished": done, "steps": steps, "seconds": round(time.time() - t0, 2)}))
+    print(json.dumps({"finished": done, "steps": steps, "seconds": round(time.time() - t0, 2),
+                      "tokens_sha256": digest.hexdigest()[:16]}))
 
 
 if __name__ == "__main__":

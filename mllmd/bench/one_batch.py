@@ -11,7 +11,9 @@ CUDA with the static cache unless --hf-cache says otherwise), and each line carr
 On CUDA the device copy bandwidth is measured in the same run, and each line carries
 `roofline_fraction`: the bytes a decode step must read (the weights it multiplies with, plus the KV
 cache of every sequence at its mean length) over that bandwidth, divided by the measured median
-step. `--profile DIR` writes a torch profiler trace of each case's decode steps there.
+step. `--profile DIR` writes a torch profiler trace of each case's decode steps there (of its
+prefill with `--profile-phase prefill`). `--prefill-repeats N` times the prefill N times (one step
+each, cache flushed in between) and reports the median.
 """
 
 from __future__ import annotations
@@ -86,42 +88,80 @@ def random_prompts(bs: int, input_len: int, vocab: int, seed: int) -> list[list[
     return torch.randint(100, min(vocab, 150000), (bs, input_len), generator=g).tolist()
 
 
-def time_engine(llm: LLM, prompts: list[list[int]], output_len: int, profile_path: str | None = None) -> CaseTiming:
+class _Profiler:
+    """torch.profiler around a phase; writes a chrome trace and a kernel / CPU summary table."""
+
+    def __init__(self, path: str | None, device: torch.device) -> None:
+        self.path, self.device, self.prof = path, device, None
+
+    def __enter__(self) -> _Profiler:
+        if self.path is not None:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prof is None:
+            return
+        prof, path = self.prof, self.path
+        prof.__exit__(None, None, None)
+        prof.export_chrome_trace(path)
+        sort = "cuda_time_total" if self.device.type == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+        Path(path).with_suffix(".txt").write_text(table + "\n\n" + table_cpu)
+
+
+def _add_requests(llm: LLM, prompts: list[list[int]], max_tokens: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        llm.engine.add_request(f"bench-{time.monotonic_ns()}-{i}", ids, params)
+
+
+def time_prefill(llm: LLM, prompts: list[list[int]]) -> float:
+    """One prefill step of every prompt (one output token each), then the cache is flushed."""
+    engine = llm.engine
+    _add_requests(llm, prompts, 1)
+    _sync(engine.runner.device)
+    t0 = time.perf_counter()
+    engine.step()
+    _sync(engine.runner.device)
+    elapsed = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush_cache()
+    return elapsed
+
+
+def time_engine(
+    llm: LLM,
+    prompts: list[list[int]],
+    output_len: int,
+    profile_path: str | None = None,
+    profile_phase: str = "decode",
+) -> CaseTiming:
     """Prefill every prompt in one step, then time each decode step (optionally under the profiler)."""
     engine = llm.engine
     device = engine.runner.device
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", ids, params)
+    _add_requests(llm, prompts, output_len)
     _sync(device)
-    t0 = time.perf_counter()
-    engine.step()
-    _sync(device)
-    prefill = time.perf_counter() - t0
+    with _Profiler(profile_path if profile_phase == "prefill" else None, device):
+        t0 = time.perf_counter()
+        engine.step()
+        _sync(device)
+        prefill = time.perf_counter() - t0
     decodes = []
-    prof = None
-    if profile_path is not None:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        prof = profile(activities=acts)
-        prof.__enter__()
     overlap = engine.config.overlap_schedule
-    try:
+    with _Profiler(profile_path if profile_phase == "decode" else None, device):
         while engine.has_unfinished():
             t0 = time.perf_counter()
             engine.step()
             if not overlap:  # with overlap a step returns once the previous step's tokens are in
                 _sync(device)
             decodes.append(time.perf_counter() - t0)
-    finally:
-        if prof is not None:
-            prof.__exit__(None, None, None)
-            prof.export_chrome_trace(profile_path)
-            sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
-            table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
-            table_cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
-            Path(profile_path).with_suffix(".txt").write_text(table + "\n\n" + table_cpu)
     engine.flush_cache()
     return CaseTiming(prefill, decodes)
 
@@ -167,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--overlap", action="store_true", help="scheduler.overlap_schedule: launch step N+1 before N's tokens arrive")
     ap.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace per case here")
+    ap.add_argument("--profile-phase", choices=["decode", "prefill"], default="decode", help="what --profile records")
+    ap.add_argument("--prefill-repeats", type=int, default=1, help="time the prefill this many times; report the median")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: exactly what the cases need)")
     args = ap.parse_args(argv)
 
@@ -217,7 +259,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             trace = str(Path(args.profile) / f"trace-bs{bs}-in{ilen}-out{olen}.json")
-        ours = time_engine(llm, prompts, olen, trace).summary(bs, ilen, olen)
+        timing = time_engine(llm, prompts, olen, trace, args.profile_phase)
+        if args.prefill_repeats > 1:
+            runs = [timing.prefill_latency] + [time_prefill(llm, prompts) for _ in range(args.prefill_repeats - 1)]
+            timing.prefill_latency = statistics.median(runs)
+            line["prefill_latencies"] = runs
+        ours = timing.summary(bs, ilen, olen)
         line.update(ours)
         line.update(
             {

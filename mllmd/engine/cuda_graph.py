@@ -80,21 +80,28 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool memory
-            batch = self._batch(bs)
-            self.runner.attn_backend.init_forward_metadata(batch)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its algorithms
-                    self.runner.forward_eager(batch)
+                    self.runner.forward_eager(self._decode_batch(bs))
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                self.logits[bs] = self.runner.forward_eager(batch)
+                # Metadata is built inside the capture: every buffer the graph touches (the attention
+                # backend's split-KV scratch included) must come from the graph's private pool. A
+                # buffer left over from the warm-up would go back to the caching allocator when the
+                # warm-up batch dies, and every replay would then write into whatever reused it.
+                self.logits[bs] = self.runner.forward_eager(self._decode_batch(bs))
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.runner.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def _decode_batch(self, bs: int) -> ForwardBatch:
+        batch = self._batch(bs)
+        self.runner.attn_backend.init_forward_metadata(batch)
+        return batch
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and 0 < batch.batch_size <= self.max_bs

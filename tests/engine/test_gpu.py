@@ -161,3 +161,36 @@ def test_cuda_graph_padding_matches_eager(model_0_6b: Path):
     b = _llm(model_0_6b, dtype="float32", disable_cuda_graph=True).generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
+
+
+def _fill_free_cached_blocks(value: int) -> list[torch.Tensor]:
+    """Allocate a byte tensor over every free block the caching allocator holds outside graph pools."""
+    free = []
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            continue  # a CUDA graph's private pool
+        free += [b["size"] for b in seg["blocks"] if b["state"] == "inactive"]
+    held = []
+    for size in sorted(free, reverse=True):
+        t = torch.empty(size, dtype=torch.uint8, device="cuda")
+        t.fill_(value)
+        held.append(t)
+    return held
+
+
+def test_cuda_graph_replay_writes_only_its_own_memory(model_0_6b: Path):
+    """Every buffer a captured graph writes lives in the graph's private pool: memory the caching
+    allocator hands out after capture (here: all of its free blocks, filled with a sentinel) is left
+    untouched by replays. A scratch buffer allocated during the warm-up and freed after capture would
+    be overwritten on every replay (this is how the Qwen3-8B daemon crashed with graphs on)."""
+    llm = _llm(model_0_6b, dtype="bfloat16", disable_cuda_graph=False)
+    graphs = llm.engine.runner.graph_runner
+    assert graphs is not None and len(graphs.graphs) > 1
+    torch.cuda.synchronize()
+    held = _fill_free_cached_blocks(0x5A)
+    assert held, "the caching allocator held no free block to check"
+    for graph in graphs.graphs.values():
+        graph.replay()
+    torch.cuda.synchronize()
+    changed = [t.numel() for t in held if not bool((t == 0x5A).all())]
+    assert not changed, f"graph replays wrote into {len(changed)} blocks outside their pool (sizes {changed[:8]})"

@@ -1,0 +1,31 @@
+"""bench_one_batch on CPU: the JSON line's fields, the median of repeated prefills, and the profiler
+trace of the phase asked for."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from mllmd.bench import one_batch
+from mllmd.testing.checkpoints import build_tiny_checkpoint
+
+
+def test_prefill_repeats_report_the_median_and_profile_the_prefill(tmp_path: Path) -> None:
+    model = build_tiny_checkpoint(tmp_path / "m")
+    out = tmp_path / "r.jsonl"
+    one_batch.main(
+        ["--model-path", str(model), "--batch-size", "2", "--input-len", "12", "--output-len", "3",
+         "--device", "cpu", "--warmup", "0", "--prefill-repeats", "3", "--profile", str(tmp_path / "prof"),
+         "--profile-phase", "prefill", "--result-filename", str(out)]
+    )
+    line = json.loads(out.read_text().splitlines()[-1])
+    assert (line["batch_size"], line["input_len"], line["output_len"]) == (2, 12, 3)
+    runs = line["prefill_latencies"]
+    assert len(runs) == 3 and line["prefill_latency"] == statistics.median(runs)
+    assert line["prefill_throughput"] == 2 * 12 / line["prefill_latency"]
+    assert line["median_decode_latency"] > 0 and line["quantization"] is None
+    trace = Path(line["profile_trace"])
+    table = trace.with_suffix(".txt").read_text()
+    assert trace.exists() and "aten::" in table
+    assert "aten::embedding" in table  # the prefill's forward ran under the profiler
