@@ -41,19 +41,17 @@ class EngineConfig:
     max_running_requests: int = _f("scheduler", 64, "most requests decoding at once")
     max_total_tokens: int | None = _f("scheduler", None, "KV-cache size in tokens; default: sized from memory")
     max_prefill_tokens: int = _f("scheduler", 8192, "token budget of one step (prefill chunks + decodes)")
-    overlap_schedule: bool = _f(
-        "scheduler", False,
-        "schedule and launch step N+1 while the device runs step N (tokens are reported one step later)",
+    overlap_schedule: bool | None = _f(
+        "scheduler", None,
+        "schedule and launch step N+1 while the device runs step N (tokens are reported one step later); "
+        "null: on for CUDA, off on CPU (a CPU step is synchronous: nothing to overlap)",
     )
     chunked_prefill_size: int = _f("scheduler", 2048, "longest prefill chunk of one request per step; 0 disables chunking")
     page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
     mem_fraction_static: float = _f("runtime", 0.85, "fraction of device memory for weights + KV cache")
-    disable_cuda_graph: bool = _f(
-        "runtime", True,
-        "run decode without CUDA graphs (default until the 8B mixed-load crash in issue 6 is fixed; false: graphs)",
-    )
+    disable_cuda_graph: bool = _f("runtime", False, "run decode steps eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _f("runtime", 64, "largest decode batch run as a CUDA graph (bigger ones run eagerly)")
     random_seed: int = _f("runtime", 0, "seed for requests that give none")
     cpu_kv_cache_max_tokens: int = _f("runtime", 131072, "cap on the default KV-cache size on CPU")

@@ -154,7 +154,7 @@ def time_engine(
         _sync(device)
         prefill = time.perf_counter() - t0
     decodes = []
-    overlap = engine.config.overlap_schedule
+    overlap = engine.overlap
     with _Profiler(profile_path if profile_phase == "decode" else None, device):
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -205,7 +205,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
-    ap.add_argument("--overlap", action="store_true", help="scheduler.overlap_schedule: launch step N+1 before N's tokens arrive")
+    ap.add_argument(
+        "--overlap", choices=["auto", "on", "off"], default="auto",
+        help="scheduler.overlap_schedule: launch step N+1 before N's tokens arrive (auto: on for CUDA)",
+    )
     ap.add_argument("--profile", default=None, metavar="DIR", help="write a torch profiler trace per case here")
     ap.add_argument("--profile-phase", choices=["decode", "prefill"], default="decode", help="what --profile records")
     ap.add_argument("--prefill-repeats", type=int, default=1, help="time the prefill this many times; report the median")
@@ -226,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
         random_seed=args.seed,
         attention_backend=args.attention_backend,
         disable_cuda_graph=args.disable_cuda_graph,
-        overlap_schedule=args.overlap,
+        overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap],
         cuda_graph_max_bs=max(max_bs, 1),
     )
     info = llm.engine.info
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dtype": str(info.dtype).replace("torch.", ""),
                 "attention_backend": type(runner.attn_backend).__name__,
                 "cuda_graph": runner.graph_runner is not None,
-                "overlap_schedule": llm.engine.config.overlap_schedule,
+                "overlap_schedule": llm.engine.overlap,
                 "quantization": info.quantization,
                 "weight_bytes": info.weight_bytes,
                 "weight_bytes_per_step": step_weight_bytes,

@@ -62,6 +62,9 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size,
         )
         self.sampler = Sampler()
+        # Overlap scheduling (see step): by default only where the device runs asynchronously.
+        ov = config.overlap_schedule
+        self.overlap: bool = self.runner.device.type == "cuda" if ov is None else ov
         self._rng = random.Random(config.random_seed)
         self.reqs: dict[str, Req] = {}
         self._pending_outputs: list[RequestOutput] = []
@@ -136,7 +139,7 @@ class Engine:
             outputs += self._complete(self._inflight)  # the device runs `launched` meanwhile
             self._inflight = None
         if launched is not None:
-            if self.config.overlap_schedule:
+            if self.overlap:
                 self._inflight = launched
             else:
                 outputs += self._complete(launched)
@@ -144,7 +147,7 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Overlap needs no output token on the host before sampling: not with penalties."""
-        if not self.config.overlap_schedule:
+        if not self.overlap:
             return False
         return not any(_uses_output_penalties(r.params) for r in self.scheduler.running)
 
@@ -163,7 +166,7 @@ class Engine:
         )
         out = self.sampler(logits, info)
         positions = [len(r.token_ids) for r in reqs]
-        if self.config.overlap_schedule:
+        if self.overlap:
             slots = to_device([r.req_pool_idx for r in reqs], torch.int64, self.runner.device)
             self.runner.token_buf[slots] = out.next_token_ids
             for r in reqs:
