@@ -40,13 +40,13 @@ if want bench; then  # defaults: CUDA graphs, overlap scheduling; transformers w
   stamp "checkpoints"; build Qwen3-8B $M8; build Qwen3-0.6B $M06
   stamp "0.6B batch 1"
   timeout 240 python3 -m mllmd.bench.one_batch --model-path $M06 --batch-size 1 --input-len 128 --output-len 64 \
-    --baseline hf --run-name qwen3-0.6b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+    --baseline hf ${HF_CACHE:---hf-cache default} --run-name qwen3-0.6b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   stamp "8B: batch 1 and 64 decode"
   timeout 420 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 --input-len 128 --output-len 128 \
-    --baseline hf --run-name qwen3-8b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+    --baseline hf ${HF_CACHE:---hf-cache default} --run-name qwen3-8b --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   stamp "8B: 2048 prefill"
   timeout 240 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 --input-len 2048 --output-len 4 \
-    --baseline hf --prefill-repeats 5 --run-name qwen3-8b-prefill --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+    --baseline hf ${HF_CACHE:---hf-cache default} --prefill-repeats 5 --run-name qwen3-8b-prefill --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   stamp "bench done"
 fi
 
@@ -101,6 +101,11 @@ if want serve; then
   health() { python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health', timeout=2).read().decode())" 2>/dev/null; }
   for _ in $(seq 1 180); do health >/dev/null && break; sleep 1; done
   stamp "daemon health: $(health)"
+  if [ -n "${PYSPY:-}" ] && [ -x .device/bin/py-spy ]; then  # sample every mllmd process during the run
+    for p in $(pgrep -f "mllmd"); do
+      timeout 60 .device/bin/py-spy record --nonblocking -r 200 -d ${PYSPY} --format raw -o "$OUT/pyspy-$(tr '\0' ' ' </proc/$p/cmdline | grep -oE 'mllmd\.(cli|workers\.[a-z_]+)' | tr . _)-$p.txt" --pid $p >/dev/null 2>&1 &
+    done
+  fi
   timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --token-ids-prompt --vocab-size 151000 \
     --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
     --seed 3 --warmup-requests 4 --result-filename "$OUT/serving.jsonl" 2>&1 | tail -30
@@ -111,6 +116,7 @@ fi
 
 if want flashinfer; then  # first use JIT-compiles FlashInfer's kernels: minutes (FI_TIMEOUT caps it)
   stamp "flashinfer backend"
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -4
   timeout ${FI_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernel/test_flashinfer_backend.py 2>&1 \
     | grep -E "passed|failed|^FAILED|^E  |rror" | head -30
 fi

@@ -1,5 +1,5 @@
-"""int8_gemm: int8 x int8 -> int32 GEMM on the int8 tensor cores, with per-token and per-channel
-scales in the epilogue (the W8A8 linear layer).
+"""int8_gemm: int8 x int8 -> int32 GEMM with per-token and per-channel scales in the epilogue (the
+W8A8 linear layer); int8 tensor cores from 2 rows on, an integer gemv for one row.
 
     y[m, n] = float(sum_k a[m, k] * b[n, k]) * a_scale[m] * b_scale[n] (+ bias[n]), in out_dtype
 
@@ -10,15 +10,26 @@ The accumulation is exact in int32 (|sum| < 2**31 for K < 2**17 at full range); 
 float32 in the reference's order ((acc * a_scale) * b_scale + bias), then one rounding to out_dtype.
 
 Tilings are picked by M, no autotuning (`pick_int8_config`):
+* "gemv" (M == 1, decode at batch 1): no tensor cores; each program streams [BLOCK_N, BLOCK_K]
+  weight tiles (16-byte loads, evict-first), widens them and the int8 row to int32 and multiply-adds
+  element-wise (one sign extension and one IMAD per weight), keeping per-thread int32 partial sums
+  that are reduced over K once at the end. 16 rows x 1024 or 2048 columns per program: about two or
+  more programs per SM on the Qwen3-8B projections without splitting K;
 * "skinny" (M <= 64, decode): acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (the weight fills the
-  64-row MMA side, x is padded to 16+ rows); K is split until the SMs have a few tiles each, with
-  int32 partial sums [SPLIT_K, M, N] that `_int8_splitk_epilogue_kernel` adds in a fixed order
-  before the epilogue (exact and deterministic: no atomics, no memset);
+  64-row MMA side, x is padded to 16+ rows);
 * "gemm" (prefill): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle over output
   tiles; 128x256x128 on GPUs with >= 200 KB of shared memory per block (H100/H200), 128x128x128
   elsewhere (Orin, A100), with as many pipeline stages as shared memory allows (3 or 4).
+"gemv" and "skinny" split K where there are too few tiles for the SMs, with int32 partial sums
+[SPLIT_K, M, N] that `_int8_splitk_epilogue_kernel` adds in a fixed order before the epilogue (exact
+and deterministic: no atomics, no memset).
 Nothing Hopper-only is requested (no TMA, no warp specialisation); Triton lowers tl.dot to wgmma
-on sm90 and to mma.sync on sm80/sm87 by itself.
+on sm90 and to mma.sync on sm80/sm87 by itself, and the gemv is plain loads and integer arithmetic.
+
+`w8a8_gemv` (what `w8a8_linear` runs for one row) fuses the per-token quantization into the gemv:
+every program takes max|x| over the whole row (at most a few tens of KB, L2-resident) and quantizes
+its own x slices with `int8_quant`'s code, so q and the scale equal `int8_quant`'s bit for bit and
+the output equals int8_quant + int8_gemm's bit for bit, in one launch instead of two.
 
 No host synchronisation: the launches depend only on shapes (CUDA-graph capturable).
 """
@@ -31,7 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import next_pow2, sm_count_for, tl, triton
-from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
+from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref
+
+GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 
 
 def int8_gemm_ref(
@@ -61,14 +74,14 @@ def w8a8_linear_ref(
 
 @dataclass(frozen=True)
 class Int8GemmConfig:
-    mode: str  # "skinny" (W as the MMA's 64-row side, split-K; M <= 64) | "gemm" (swizzled tiles)
+    mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W as the MMA's 64-row side; M <= 64) | "gemm"
     block_m: int
     block_n: int
     block_k: int
     group_m: int
     split_k: int
     num_warps: int
-    num_stages: int
+    num_stages: int  # "gemv": 1 (its loads feed no tl.dot; more warps hide the latency instead)
 
 
 @functools.lru_cache(maxsize=8)
@@ -104,6 +117,17 @@ def auto_split(
 
 def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8GemmConfig:
     """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory."""
+    if m == 1:
+        # 16 weight rows per program (w8a8_gemv quantizes each x slice once per program), 128 bytes of
+        # weights per thread and K step; 8 warps on 2048 columns where there are fewer than two tiles
+        # per SM (o, down on an H200), K split only where that still leaves too few programs.
+        bn = 16
+        tiles = triton.cdiv(n, bn)
+        bk, warps = (1024, 4) if tiles >= 2 * num_sms else (2048, 8)
+        bk = min(bk, max(16, next_pow2(k)))
+        warps = max(1, min(warps, bn * bk // 512))  # >= 16 columns (one 16-byte load) per thread
+        split = auto_split(tiles, k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
+        return Int8GemmConfig("gemv", 1, bn, bk, 1, split, warps, 1)
     if m <= 64:
         bm = max(16, next_pow2(m))
         bn, bk = 64, (256 if bm <= 32 else 128)
@@ -252,6 +276,87 @@ def _int8_skinny_kernel(
 
 
 @triton.jit
+def _row_int8_scale(x_ptr, K, BLOCK: tl.constexpr):
+    """int8_quant's per-token scale of the float row x [K]: max|x| / 127.5 (correctly rounded), a zero
+    scale replaced by float32 eps. The max is exact, so the scale is int8_quant's bit for bit."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.5)
+    return tl.where(scale == 0.0, 1.1920928955078125e-07, scale)
+
+
+@triton.jit
+def _int8_gemv_kernel(
+    a_ptr,  # [K] int8 activations, or the float row x [K] (FUSE_QUANT)
+    b_ptr,  # [N, K] int8
+    as_ptr,  # [1] float32: read, or (FUSE_QUANT and IS_SPLIT) written by program (0, 0)
+    bs_ptr,  # [N] float32
+    bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
+    c_ptr,  # [N] (not IS_SPLIT)
+    part_ptr,  # [SPLIT_K, N] int32 (IS_SPLIT)
+    N,
+    K,
+    stride_bn,
+    K_PER_SPLIT,  # multiple of BLOCK_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FUSE_QUANT: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,  # FUSE_QUANT: x elements per step of the max|x| pass
+):
+    """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row, both widened
+    to int32, multiply-added into per-thread partial sums acc[BLOCK_N, BLOCK_K // 16] (a group of 16
+    columns is one thread's 16-byte load, so the reshape moves no data), reduced over K at the end;
+    exact in int32. FUSE_QUANT: a is the float row; every program takes the row's scale from all of x
+    and quantizes its x slices itself (`_quant_row`: int8_quant's q bit for bit)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_b = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_start = pid_k * K_PER_SPLIT
+    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
+    if FUSE_QUANT:
+        a_scale = _row_int8_scale(a_ptr, K, SCALE_BLOCK)
+    else:
+        a_scale = tl.load(as_ptr)
+    b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_start + offs_k)[None, :]
+    a_ptrs = a_ptr + k_start + offs_k
+    acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.int32)
+    for k0 in range(0, k_len, BLOCK_K):
+        if EVEN_K:
+            b = tl.load(b_ptrs, eviction_policy="evict_first")
+            a = tl.load(a_ptrs)
+        else:
+            k_mask = (k0 + offs_k) < k_len
+            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0, eviction_policy="evict_first")
+            a = tl.load(a_ptrs, mask=k_mask, other=0)
+        if FUSE_QUANT:
+            a = _quant_row(a.to(tl.float32), a_scale)  # masked columns: x = 0 -> q = 0
+        prod = b.to(tl.int32) * a.to(tl.int32)[None, :]
+        acc += tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 16, 16)), axis=2)
+        b_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    acc_n = tl.sum(acc, axis=1)  # [BLOCK_N], exact
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * N + offs_n, acc_n, mask=mask_n)
+        if FUSE_QUANT:
+            if (pid_n == 0) & (pid_k == 0):
+                tl.store(as_ptr, a_scale)  # for _int8_splitk_epilogue_kernel (a later launch)
+    else:
+        out = acc_n.to(tl.float32) * a_scale * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
+        if HAS_BIAS:
+            out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(c_ptr + offs_n, out.to(c_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def _int8_splitk_epilogue_kernel(
     part_ptr,  # [SPLIT_K, M, N] int32
     as_ptr,
@@ -287,7 +392,8 @@ def int8_gemm(
     out: torch.Tensor | None = None,  # [M, N] out_dtype
     config: Int8GemmConfig | None = None,
 ) -> torch.Tensor:
-    """(a @ b^T) * a_scale * b_scale^T (+ bias) -> [M, N] out_dtype, int32 accumulation on tensor cores."""
+    """(a @ b^T) * a_scale * b_scale^T (+ bias) -> [M, N] out_dtype, exact int32 accumulation (on
+    tensor cores, or the integer gemv for one row)."""
     assert a.dtype == torch.int8 and b.dtype == torch.int8 and a.dim() == 2 and b.dim() == 2
     assert a.shape[1] == b.shape[1] and a.stride(1) == 1 and b.stride(1) == 1, (
         "int8_gemm needs K-contiguous a and b"
@@ -314,6 +420,9 @@ def int8_gemm(
             HAS_BIAS=has_bias, EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
+    if cfg.mode == "gemv":
+        assert m == 1, f"gemv tiling for {m} rows"
+        return _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False)
     assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)
@@ -331,6 +440,65 @@ def int8_gemm(
     return out
 
 
+def _gemv(
+    a: torch.Tensor,  # [1, K] int8, or the float row x [1, K] (fuse_quant)
+    b: torch.Tensor,  # [N, K] int8
+    a_scale: torch.Tensor | None,  # [1] float32 (None with fuse_quant)
+    b_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,
+    out: torch.Tensor,  # [1, N]
+    cfg: Int8GemmConfig,
+    fuse_quant: bool,
+) -> torch.Tensor:
+    """Launch `_int8_gemv_kernel` (+ the split-K epilogue) for one row."""
+    assert cfg.block_k >= 16 and cfg.split_k >= 1, cfg
+    k = a.shape[1]
+    n = b.shape[0]
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(k, k_per_split)
+    part = torch.empty((split, 1, n), dtype=torch.int32, device=a.device) if split > 1 else out
+    if a_scale is None:  # fused: the kernel's scale, kept for the split-K epilogue
+        a_scale = torch.empty(1, dtype=torch.float32, device=a.device) if split > 1 else b_scale
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
+    _int8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+        a, b, a_scale, b_scale, bias_arg, out, part, n, k, b.stride(0), k_per_split,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1,
+        EVEN_K=k % cfg.block_k == 0, FUSE_QUANT=fuse_quant,
+        SCALE_BLOCK=min(next_pow2(k), GEMV_SCALE_BYTES // a.element_size()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, next_pow2(n))
+        _int8_splitk_epilogue_kernel[(triton.cdiv(n, block), 1)](
+            part, a_scale, b_scale, bias_arg, out, 1, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
+        )
+    return out
+
+
+def w8a8_gemv(
+    x: torch.Tensor,  # [1, K] fp16 / bf16 / fp32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N, 1] float32
+    bias: torch.Tensor | None = None,  # [N]
+    out: torch.Tensor | None = None,  # [1, N] x.dtype
+    config: Int8GemmConfig | None = None,  # a "gemv" tiling
+) -> torch.Tensor:
+    """W8A8 linear of one row in one launch (two with split-K): the per-token quantization is fused
+    into the gemv (every program quantizes its x slices itself); equals int8_quant + int8_gemm bit for bit."""
+    assert x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1, "w8a8_gemv needs one K-contiguous row"
+    assert weight.dtype == torch.int8 and weight.dim() == 2 and weight.stride(1) == 1
+    n, k = weight.shape
+    assert x.shape[1] == k and weight_scale.numel() == n and weight_scale.dtype == torch.float32
+    weight_scale = weight_scale.reshape(n).contiguous()
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (1, n) and out.stride(1) == 1
+    cfg = config or pick_int8_config(1, n, k, sm_count_for(x), max_shared_memory(x))
+    assert cfg.mode == "gemv", f"w8a8_gemv needs a gemv tiling, got {cfg.mode}"
+    return _gemv(x, weight, None, weight_scale, bias, out, cfg, fuse_quant=True)
+
+
 def w8a8_linear(
     x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
     weight: torch.Tensor,  # [N, K] int8
@@ -338,6 +506,9 @@ def w8a8_linear(
     bias: torch.Tensor | None = None,
     config: Int8GemmConfig | None = None,
 ) -> torch.Tensor:
-    """W8A8 linear with Triton: per-token int8 quantization of x, then int8_gemm -> [M, N] x.dtype."""
+    """W8A8 linear with Triton: per-token int8 quantization of x, then int8_gemm -> [M, N] x.dtype
+    (one row: `w8a8_gemv`, the quantization fused into the gemv)."""
+    if x.shape[0] == 1 and (config is None or config.mode == "gemv"):
+        return w8a8_gemv(x, weight, weight_scale, bias, config=config)
     q, s = int8_quant(x)
     return int8_gemm(q, weight, s, weight_scale, x.dtype, bias, config=config)

@@ -8,17 +8,28 @@ The packed words are read as stored. Scales and zero points may have any strides
 [N, G] (`.t().contiguous().t()`, what TritonW4A16Kernel keeps) makes each K step's BLOCK_N scales
 one contiguous read.
 
-In the kernel a [BLOCK_N, BLOCK_K / 8] tile of words is widened to [BLOCK_N, BLOCK_K] in registers
-(`tl.interleave` three times), each lane shifts out its nibble and ORs it into the mantissa of 2**23
-(int -> float without a conversion instruction), so w = (f - (2**23 + 8 + zero_point)) * scale in
-float32, exactly as the reference computes it before its rounding to the activation dtype.
-BLOCK_K divides the group size, so one K step reads one scale per row.
+The tensor-core paths and `w4a16_dequantize` widen a [BLOCK_N, BLOCK_K / 8] tile of words to
+[BLOCK_N, BLOCK_K] in registers (`tl.interleave` three times); each lane shifts out its nibble and
+ORs it into the mantissa of 2**23 (int -> float without a conversion instruction), so
+w = (f - (2**23 + 8 + zero_point)) * scale in float32, exactly as the reference computes it before
+its rounding to the activation dtype. BLOCK_K divides the group size, so one K step reads one scale
+per row.
+
+M == 1 (`_w4a16_gemv_kernel`) is bound by instructions, not bytes (an H200 streams ~8e12 int4 weights/s
+and issues ~33e12 instructions/s), so it never widens: the word tile is 8 nibble planes (plane i holds
+k = 8j + i of word column j) and a weight costs three instructions. One LOP3 puts the nibble into
+2**23's mantissa where it lies: (word & 0xF << s) | 0x4B000000 = 2**23 + n * 2**s as a float (s = 4i
+for planes 0..4, s = 4i - 16 in word >> 16 for planes 5..7: one shift per word); one FMA scales by
+2**-s and subtracts 2**(23 - s) + 8 + zero_point, giving q - zero_point exactly; one FMA multiplies by
+x[8j + i] into a float32 partial. Once per K step the partial is multiplied by the row's scale
+(channel-wise: once, at the end). Per K step x's planes come from one [BLOCK_K / 8, 8] load split
+with tl.split, and the words are prefetched NUM_STAGES steps ahead through shared memory (cp.async).
 
 Large M (`DEQUANT_MIN_ROWS` rows and up): `w4a16_dequantize` writes the weight once in the activation
 dtype and cuBLAS multiplies; a fused tile would otherwise dequantize every weight tile once per M tile.
 
 Tilings by M (`pick_w4a16_config`, no autotuning):
-* "gemv" (M == 1): no tensor cores; per K step sum_k f * x, times the row's scale, into float32;
+* "gemv" (M == 1): no tensor cores, float32 FMAs on the nibble planes (above);
 * "skinny" (2 <= M <= 64): acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on tensor cores with W
   dequantized to the activation dtype (x padded to 16+ rows);
 * "gemm" (prefill): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle.
@@ -120,9 +131,11 @@ def group_block_k(block_k: int, group: int, k: int) -> int:
 def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: int) -> W4A16Config:
     """Tile sizes for x[m, k] @ W[n, k]^T by M (decode / prefill), fitted to shared memory."""
     if m == 1:
-        # No tensor cores and no software pipelining to count on: many CTAs (K split finely), each with
-        # a [128, 128] tile (8 KB of packed weights) per K step, keep enough loads in flight per SM.
-        bn, bk = 128, group_block_k(128, group, k)
+        # ALU-bound: a K step of 128 * 128 weights per program (16 words per thread at 4 warps: the x
+        # planes are shared by 4 rows, the row scale by 4 words), prefetched 3 steps deep through shared
+        # memory; K split until there are about 8 programs per SM.
+        bk = group_block_k(256 if group >= k else 128, group, k)
+        bn = max(16, min(512, 16384 // bk, next_pow2(n)))
         split = auto_split(triton.cdiv(n, bn), k, bk, num_sms, ctas_per_sm=8, min_blocks=2)
         return W4A16Config("gemv", 1, bn, bk, 1, split, 4, fit_stages(bn * bk // 2, 3, smem))
     if m <= 64:
@@ -146,9 +159,8 @@ def _dequant_f32(
     BLOCK_K: tl.constexpr,
     HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
-    APPLY_SCALE: tl.constexpr,
 ):
-    """(q - zero_point) [* scale] as float32 [BLOCK_N, BLOCK_K] (and the scales [BLOCK_N])."""
+    """(q - zero_point) * scale as float32 [BLOCK_N, BLOCK_K]."""
     if EVEN_K:
         words = tl.load(w_ptrs, eviction_policy="evict_first")
     else:
@@ -163,9 +175,137 @@ def _dequant_f32(
         f = f - (8388616.0 + tl.load(z_ptrs).to(tl.float32))[:, None]  # 2**23 + 8 + zero point
     else:
         f = f - 8388616.0
-    if APPLY_SCALE:
-        f = f * s[:, None]
-    return f, s
+    return f * s[:, None]
+
+
+@triton.jit
+def _nibble(words, SHIFT: tl.constexpr, magic, bias):
+    """(q - zero_point) in float32, exactly, for the nibble at bits [SHIFT, SHIFT + 4) of each word:
+    ORed into the mantissa of magic = 2**23 it reads 2**23 + n * 2**SHIFT (SHIFT + 4 <= 23); one FMA
+    scales that by 2**-SHIFT and subtracts bias = 2**(23 - SHIFT) + 8 + zero point."""
+    f = ((words & (0xF << SHIFT)) | magic).to(tl.float32, bitcast=True)
+    return f * (1.0 / (1 << SHIFT)) - bias
+
+
+@triton.jit
+def _biases(z_ptrs, HAS_ZP: tl.constexpr):
+    """2**(23 - SHIFT) + 8 + zero point for SHIFT = 0, 4, 8, 12, 16 ([BLOCK_N, 1] float32, or scalars)."""
+    if HAS_ZP:
+        zq = tl.load(z_ptrs).to(tl.float32) + 8.0
+        b0, b4, b8 = (8388608.0 + zq)[:, None], (524288.0 + zq)[:, None], (32768.0 + zq)[:, None]
+        b12, b16 = (2048.0 + zq)[:, None], (128.0 + zq)[:, None]
+    else:
+        b0, b4, b8, b12, b16 = 8388616.0, 524296.0, 32776.0, 2056.0, 136.0
+    return b0, b4, b8, b12, b16
+
+
+@triton.jit
+def _x_planes(x_ptrs, k_left, BW: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[8j + i] for i = 0..7 as 8 float32 [BW] tensors from one [BW, 8] load (0 from k_left on)."""
+    offs = tl.arange(0, BW)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    if EVEN_K:
+        x = tl.load(x_ptrs + offs)
+    else:
+        x = tl.load(x_ptrs + offs, mask=offs < k_left, other=0.0)
+    ev, od = tl.split(tl.reshape(x.to(tl.float32), (BW, 4, 2)))  # x[8j + 2p], x[8j + 2p + 1]
+    e0, e1 = tl.split(tl.reshape(ev, (BW, 2, 2)))  # x[8j + 4q], x[8j + 4q + 2]
+    o0, o1 = tl.split(tl.reshape(od, (BW, 2, 2)))  # x[8j + 4q + 1], x[8j + 4q + 3]
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _w4a16_gemv_kernel(
+    x_ptr,  # [1, K]
+    w_ptr,  # [N, KW] int32
+    s_ptr,  # [N, G] float32 (any strides)
+    z_ptr,  # [N, G] int8 (HAS_ZP)
+    bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
+    y_ptr,  # [1, N] (not IS_SPLIT)
+    part_ptr,  # [SPLIT_K, 1, N] float32 (IS_SPLIT)
+    N,
+    K,
+    KW,  # words per weight row: ceil(K / 8)
+    stride_wn,
+    stride_sn,
+    stride_sg,
+    stride_zn,
+    stride_zg,
+    K_PER_SPLIT,  # multiple of BLOCK_K
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides the group: one scale per row and K step
+    GROUP_STEPS: tl.constexpr,  # K steps per group; 0: channel-wise
+    HAS_ZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    """M == 1: a [BLOCK_N, BLOCK_K / 8] tile of words is 8 nibble planes (plane i: k = 8j + i), each
+    multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1."""
+    BW: tl.constexpr = BLOCK_K // 8
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows_n = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_w = tl.arange(0, BW)
+    k_start = pid_k * K_PER_SPLIT
+    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
+    w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (w_col + offs_w)[None, :]
+    x_ptrs = x_ptr + k_start
+    s_rows = s_ptr + rows_n * stride_sn
+    z_rows = z_ptr + rows_n * stride_zn
+    if GROUP_STEPS == 0:  # channel-wise: one scale and zero point per row, applied after the loop
+        s_row = tl.load(s_rows)
+        b_row = _biases(z_rows, HAS_ZP)
+    # 2**23's bits (0x4B000000) in a register, not a constant the compiler can fold: each nibble then
+    # takes one LOP3 ((words & mask) | magic) with the mask as its immediate.
+    magic = tl.where(K > 0, 0x4B000000, 0)
+    acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
+    for k0 in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):  # words prefetched through smem
+        if GROUP_STEPS == 0:
+            b0, b4, b8, b12, b16 = b_row
+        else:
+            g = (k_start + k0) // (BLOCK_K * GROUP_STEPS)
+            s = tl.load(s_rows + g * stride_sg)
+            b0, b4, b8, b12, b16 = _biases(z_rows + g * stride_zg, HAS_ZP)
+        if EVEN_K:
+            words = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            word_mask = w_col + k0 // 8 + offs_w < KW
+            words = tl.load(w_ptrs, mask=word_mask[None, :], other=0, eviction_policy="evict_first")
+        hi = words >> 16  # planes 5..7 at bits 4, 8, 12: one shift per word
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptrs, k_len - k0, BW, EVEN_K)
+        part = _nibble(words, 0, magic, b0) * x0[None, :]
+        if GROUP_STEPS == 0:
+            part += acc
+        part += _nibble(words, 4, magic, b4) * x1[None, :]
+        part += _nibble(words, 8, magic, b8) * x2[None, :]
+        part += _nibble(words, 12, magic, b12) * x3[None, :]
+        part += _nibble(words, 16, magic, b16) * x4[None, :]
+        part += _nibble(hi, 4, magic, b4) * x5[None, :]
+        part += _nibble(hi, 8, magic, b8) * x6[None, :]
+        part += _nibble(hi, 12, magic, b12) * x7[None, :]
+        if GROUP_STEPS == 0:
+            acc = part
+        else:
+            acc += part * s[:, None]
+        w_ptrs += BW
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    if GROUP_STEPS == 0:
+        out *= s_row
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * N + offs_n, out, mask=mask_n)
+    else:
+        if HAS_BIAS:
+            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -190,7 +330,7 @@ def _w4a16_decode_kernel(
     stride_zg,
     stride_ym,
     K_PER_SPLIT,  # multiple of BLOCK_K
-    BLOCK_M: tl.constexpr,  # 1: the fp32 FMA path; >= 16: tensor cores
+    BLOCK_M: tl.constexpr,  # >= 16 (tensor cores)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_ZP: tl.constexpr,
@@ -199,7 +339,7 @@ def _w4a16_decode_kernel(
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    """Decode (M <= 64): tiles of W rows, one K split per program along axis 1."""
+    """Skinny (2 <= M <= 64): W_tile @ x_tile^T on tensor cores, one K split per program along axis 1."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -212,57 +352,35 @@ def _w4a16_decode_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start // 8 + offs_w)[None, :]
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
-    if BLOCK_M == 1:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        x_ptrs = x_ptr + k_start + offs_k
-        for k0 in range(0, k_len, BLOCK_K):
-            g = (k_start + k0) // GROUP
-            word_mask = (k_start + k0) // 8 + offs_w < KW
-            f, s = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                                BLOCK_K, HAS_ZP, EVEN_K, False)  # fmt: skip
-            if EVEN_K:
-                x = tl.load(x_ptrs).to(tl.float32)
-            else:
-                x = tl.load(x_ptrs, mask=k0 + offs_k < k_len, other=0.0).to(tl.float32)
-            acc += tl.sum(f * x[None, :], axis=1) * s
-            w_ptrs += BLOCK_K // 8
-            x_ptrs += BLOCK_K
-        if IS_SPLIT:
-            tl.store(part_ptr + pid_k * N + offs_n, acc, mask=mask_n)
+    offs_m = tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    rows_m = tl.where(mask_m, offs_m, 0).to(tl.int64)  # padding rows re-read row 0 (never stored)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        g = (k_start + k0) // GROUP
+        word_mask = (k_start + k0) // 8 + offs_w < KW
+        f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                         BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
+        w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
+        if EVEN_K:
+            x = tl.load(x_ptrs)
         else:
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=mask_n)
+            x = tl.load(x_ptrs, mask=(k0 + offs_k < k_len)[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+        w_ptrs += BLOCK_K // 8
+        x_ptrs += BLOCK_K
+    out_mask = mask_n[:, None] & mask_m[None, :]
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
     else:
-        offs_m = tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        rows_m = tl.where(mask_m, offs_m, 0).to(tl.int64)  # padding rows re-read row 0 (never stored)
-        x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
-        acc2 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        for k0 in range(0, k_len, BLOCK_K):
-            g = (k_start + k0) // GROUP
-            word_mask = (k_start + k0) // 8 + offs_w < KW
-            f, s = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                                BLOCK_K, HAS_ZP, EVEN_K, True)  # fmt: skip
-            w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
-            if EVEN_K:
-                x = tl.load(x_ptrs)
-            else:
-                x = tl.load(x_ptrs, mask=(k0 + offs_k < k_len)[None, :], other=0.0)
-            if DOT_F32:
-                acc2 += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
-            else:
-                acc2 = tl.dot(w, tl.trans(x), acc2)
-            w_ptrs += BLOCK_K // 8
-            x_ptrs += BLOCK_K
-        out_mask = mask_n[:, None] & mask_m[None, :]
-        if IS_SPLIT:
-            tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc2, mask=out_mask)
-        else:
-            if HAS_BIAS:
-                acc2 += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-            tl.store(y_ptrs, acc2.to(y_ptr.dtype.element_ty), mask=out_mask)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -319,8 +437,8 @@ def _w4a16_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         g = k0 // GROUP
         word_mask = k0 // 8 + offs_w < KW
-        f, s = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                            BLOCK_K, HAS_ZP, EVEN_K, True)  # fmt: skip
+        f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                         BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
         w = f.to(x_ptr.dtype.element_ty)
         if EVEN_K:
             x = tl.load(x_ptrs)
@@ -392,11 +510,15 @@ def _w4a16_dequant_kernel(
     w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :]
     g = k0 // GROUP
     word_mask = k0 // 8 + offs_w < KW
-    f, s = _dequant_f32(w_ptrs, word_mask, s_ptr + rows * stride_sn + g * stride_sg,
-                        z_ptr + rows * stride_zn + g * stride_zg, BLOCK_K, HAS_ZP, EVEN_K, True)  # fmt: skip
+    f = _dequant_f32(w_ptrs, word_mask, s_ptr + rows * stride_sn + g * stride_sg,
+                     z_ptr + rows * stride_zn + g * stride_zg, BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
-    tl.store(out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :], f.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + offs_n[:, None].to(tl.int64) * stride_on + offs_k[None, :],
+        f.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def w4a16_dequantize(
@@ -472,17 +594,28 @@ def w4a16_gemm(
             num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
-    block_m = 1 if cfg.mode == "gemv" else cfg.block_m
-    assert block_m >= m, f"block_m {block_m} < {m} rows"
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), bk) * bk
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _w4a16_decode_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, w_packed, w_scale, zp, bias_arg, out, part, *common, out.stride(0), k_per_split,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp, HAS_BIAS=has_bias and split == 1,
-        IS_SPLIT=split > 1, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    grid = (triton.cdiv(n, cfg.block_n), split)
+    if cfg.mode == "gemv":
+        assert m == 1, f"the gemv tiling is for one row, not {m}"
+        _w4a16_gemv_kernel[grid](
+            x, w_packed, w_scale, zp, bias_arg, out, part, n, k, kw, w_packed.stride(0), w_scale.stride(0),
+            w_scale.stride(1), *zs, k_per_split,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_STEPS=0 if groups == 1 else group // bk, HAS_ZP=has_zp,
+            HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1, EVEN_K=even_k, NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            enable_fp_fusion=True,  # the kernel counts on FMAs (Triton 3.10 stops fusing by default)
+        )  # fmt: skip
+    else:
+        assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
+        _w4a16_decode_kernel[grid](
+            x, w_packed, w_scale, zp, bias_arg, out, part, *common, out.stride(0), k_per_split,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp,
+            HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](

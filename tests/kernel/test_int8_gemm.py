@@ -1,16 +1,30 @@
-"""int8_gemm (int8 x int8 -> int32 on tensor cores, scales in the epilogue) against its torch reference.
+"""int8_gemm (int8 x int8 -> int32 on tensor cores, or the one-row gemv; scales in the epilogue) and
+w8a8_gemv (the gemv with the activation quantization fused in) against their torch references.
 
 The int32 accumulation is checked exactly (unit scales, float32 output, against the exact integer
-products summed in float64); the epilogue with real scales and bias against int8_gemm_ref.
+products summed in float64); the epilogue with real scales and bias against int8_gemm_ref; the fused
+one-row path bit for bit against int8_quant + int8_gemm.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
-from mllmd_kernels import Int8GemmConfig, int8_gemm, int8_gemm_ref, w8a8_linear, w8a8_linear_ref
+from mllmd_kernels import (
+    Int8GemmConfig,
+    int8_gemm,
+    int8_gemm_ref,
+    int8_quant,
+    pick_int8_config,
+    w8a8_linear,
+    w8a8_linear_ref,
+)
+from mllmd_kernels.int8_gemm import w8a8_gemv
 from mllmd_kernels.testing import (
     DTYPES,
+    DTYPES_WITH_FP32,
     REL_TOL,
     close_tol,
     kernel_device,
@@ -128,3 +142,92 @@ def test_int8_gemm_empty_batch() -> None:
     a = torch.zeros(0, 32, dtype=torch.int8, device=DEVICE)
     out = int8_gemm(a, b, torch.ones(0, 1, device=DEVICE), torch.ones(8, 1, device=DEVICE), torch.float16)
     assert out.shape == (0, 8)
+
+
+# One row ("gemv"): 50 rows of W (not a multiple of BLOCK_N), K = 232 (not a multiple of BLOCK_K).
+GEMV_CONFIGS = [
+    Int8GemmConfig("gemv", 1, 16, 32, 1, 1, 4, 1),  # many K steps, masked last step, no split
+    Int8GemmConfig("gemv", 1, 16, 32, 1, 3, 4, 1),  # split-K 3: 96 + 96 + 40 columns
+    Int8GemmConfig("gemv", 1, 32, 64, 1, 2, 8, 1),  # split-K 2, a partial second split
+    Int8GemmConfig("gemv", 1, 8, 256, 1, 1, 2, 1),  # one K step wider than K
+]
+GEMV_N, GEMV_K = 50, 232
+
+
+def _gemv_id(c: Int8GemmConfig) -> str:
+    return f"n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}"
+
+
+def test_one_row_picks_the_gemv() -> None:
+    for n, k in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (40, 96)]:
+        for sms in (132, 16):
+            cfg = pick_int8_config(1, n, k, sms, 232448)
+            assert cfg.mode == "gemv" and cfg.split_k >= 1 and cfg.block_k >= 16
+    assert pick_int8_config(2, 6144, 4096, 132, 232448).mode == "skinny"
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("cfg", GEMV_CONFIGS, ids=_gemv_id)
+def test_int8_gemv_explicit_tilings(cfg: Int8GemmConfig, dtype: torch.dtype) -> None:
+    """M == 1: exact int32 sums (extreme values included), then the epilogue with bias against the reference."""
+    g = torch.Generator().manual_seed(cfg.block_n * 10 + cfg.split_k)
+    a, b = _int8(1, GEMV_K, gen=g), _int8(GEMV_N, GEMV_K, gen=g)
+    a[0, :7] = -128
+    b[3, :] = -128
+    out = poisoned((1, GEMV_N), torch.float32, DEVICE)
+    ones = torch.ones(GEMV_N, 1, device=DEVICE)
+    int8_gemm(a, b, torch.ones(1, 1, device=DEVICE), ones, torch.float32, out=out, config=cfg)
+    assert torch.equal(out, _exact_acc(a, b))
+    a_scale = (torch.rand(1, 1, generator=g) * 0.05 + 1e-3).to(DEVICE)
+    b_scale = (torch.rand(GEMV_N, 1, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    bias = randn(GEMV_N, dtype=dtype, device=DEVICE, gen=g)
+    for bi in (None, bias):
+        out = poisoned((1, GEMV_N), dtype, DEVICE)
+        int8_gemm(a, b, a_scale, b_scale, dtype, bi, out=out, config=cfg)
+        assert not out.isnan().any(), "some outputs were never written"
+        torch.testing.assert_close(out, int8_gemm_ref(a, b, a_scale, b_scale, dtype, bi), **close_tol(dtype))
+
+
+def _w8a8_inputs(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = randn(1, k, dtype=dtype, device=DEVICE, gen=g, scale=10.0 ** (seed % 5 - 2))
+    w = _int8(n, k, gen=g)
+    w_scale = (torch.rand(n, 1, generator=g) * 0.01 / k**0.5 + 1e-4).to(DEVICE)
+    bias = randn(n, dtype=dtype, device=DEVICE, gen=g)
+    return x, w, w_scale, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("cfg", [None, *GEMV_CONFIGS], ids=lambda c: "default" if c is None else _gemv_id(c))
+def test_w8a8_gemv_fused_quant_is_bit_exact(cfg: Int8GemmConfig | None, dtype: torch.dtype) -> None:
+    """One row: the quantization fused into the gemv gives int8_quant + int8_gemm's output bit for bit
+    (same tiling), and matches w8a8_linear_ref; with and without bias, into a poisoned buffer."""
+    x, w, w_scale, bias = _w8a8_inputs(GEMV_N, GEMV_K, dtype, seed=GEMV_K + (cfg.split_k if cfg else 0))
+    for bi in (None, bias):
+        out = poisoned((1, GEMV_N), dtype, DEVICE)
+        w8a8_gemv(x, w, w_scale, bi, out=out, config=cfg)
+        q, s = int8_quant(x)
+        assert torch.equal(out, int8_gemm(q, w, s, w_scale, dtype, bi, config=cfg))  # same (default) tiling
+        torch.testing.assert_close(out, w8a8_linear_ref(x, w, w_scale, bi), **close_tol(dtype))
+        assert torch.equal(w8a8_linear(x, w, w_scale, bi, config=cfg), out)
+
+
+@pytest.mark.parametrize("scale_bytes", [128, 16384])
+def test_w8a8_gemv_fused_quant_edge_rows(monkeypatch: pytest.MonkeyPatch, scale_bytes: int) -> None:
+    """A zero row (scale = eps), a single large value, tiny and huge magnitudes; max|x| over several
+    chunks of the row (128 bytes: 64 bf16 / 32 fp32 values per chunk) or one; split and unsplit."""
+    monkeypatch.setattr(importlib.import_module("mllmd_kernels.int8_gemm"), "GEMV_SCALE_BYTES", scale_bytes)
+    n, k = 40, 200
+    g = torch.Generator().manual_seed(5)
+    w = _int8(n, k, gen=g)
+    w_scale = (torch.rand(n, 1, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    rows = [torch.zeros(1, k), torch.zeros(1, k), torch.randn(1, k, generator=g) * 1e-4]
+    rows += [torch.randn(1, k, generator=g) * 300]
+    rows[1][0, 197] = -3.0  # the max sits in the last chunk
+    for x in rows:
+        for dtype in (torch.bfloat16, torch.float32):
+            xd = x.to(dtype=dtype, device=DEVICE)
+            q, s = int8_quant(xd)
+            for cfg in (GEMV_CONFIGS[0], GEMV_CONFIGS[1]):
+                ref = int8_gemm(q, w, s, w_scale, dtype, config=cfg)
+                assert torch.equal(w8a8_gemv(xd, w, w_scale, config=cfg), ref)

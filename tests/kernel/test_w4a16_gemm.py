@@ -14,6 +14,7 @@ from mllmd_kernels import (
 )
 from mllmd_kernels.testing import (
     DTYPES,
+    DTYPES_WITH_FP32,
     REL_TOL,
     kernel_device,
     on_gpu,
@@ -112,6 +113,39 @@ def test_w4a16_gemm_explicit_tilings(
     assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
 
 
+# M == 1 (the "gemv" kernel), (N, K, group or None for channel-wise, asymmetric, tiling or None for the
+# default): every group size, N off the block, channel-wise K off the block (K % 8 != 0 too), one K split
+# and several (the last one partial), the default tiling's group-wise and channel-wise picks.
+GEMV = [
+    (40, 256, 32, True, W4A16Config("gemv", 1, 16, 32, 1, 1, 4, 1)),
+    (72, 384, 64, False, W4A16Config("gemv", 1, 32, 64, 1, 3, 4, 2)),
+    (50, 512, 128, True, W4A16Config("gemv", 1, 64, 128, 1, 2, 4, 3)),
+    (24, 256, 64, True, W4A16Config("gemv", 1, 16, 128, 1, 1, 2, 1)),  # block_k cut to the group
+    (33, 200, None, True, W4A16Config("gemv", 1, 16, 64, 1, 3, 4, 2)),  # splits [0, 128), [128, 200)
+    (20, 100, None, False, W4A16Config("gemv", 1, 16, 256, 1, 1, 4, 1)),
+    (130, 1024, 128, False, None),
+    (36, 300, None, True, None),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("n", "k", "group", "asym", "cfg"), GEMV)
+def test_w4a16_gemv(
+    n: int, k: int, group: int | None, asym: bool, cfg: W4A16Config | None, bias: bool, dtype: torch.dtype
+) -> None:
+    """One row: the nibble-plane kernel against the float32 reference, every output written."""
+    g = torch.Generator().manual_seed(n * 31 + k + bias)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    x = randn(1, k, dtype=dtype, device=DEVICE, gen=g)
+    b = randn(n, dtype=dtype, device=DEVICE, gen=g) if bias else None
+    out = poisoned((1, n), dtype, DEVICE)
+    w4a16_gemm(x, packed, scale, zp, b, out=out, config=cfg)
+    assert not out.isnan().any(), "some outputs were never written"
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp, b.float() if bias else None)
+    assert rel_err(out, ref) < REL_TOL[dtype]
+
+
 def test_w4a16_gemm_float32_activations() -> None:
     g = torch.Generator().manual_seed(5)
     packed, scale, zp = make_weights(24, 128, 64, True, g)
@@ -134,7 +168,9 @@ if on_gpu():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("n", "k", "group", "asym"), DEQUANT_SHAPES)
-def test_w4a16_dequantize_equals_reference(n: int, k: int, group: int | None, asym: bool, dtype: torch.dtype) -> None:
+def test_w4a16_dequantize_equals_reference(
+    n: int, k: int, group: int | None, asym: bool, dtype: torch.dtype
+) -> None:
     """The large-M path's weight (then cuBLAS): exactly the reference's rounding, every element written."""
     g = torch.Generator().manual_seed(n * 31 + k)
     packed, scale, zp = make_weights(n, k, group, asym, g)

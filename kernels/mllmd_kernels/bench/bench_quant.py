@@ -91,6 +91,12 @@ def _int8_candidates(m: int, n: int, k: int) -> list[Int8GemmConfig]:
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
         out = []
+        if m == 1:  # the gemv: (block_n, block_k, warps, stages), K split for ~2 and ~4 programs per SM
+            for bn, bk, warps, stages in [(16, 1024, 4, 1), (16, 2048, 8, 1), (32, 512, 4, 1), (8, 1024, 4, 1),
+                                          (32, 1024, 8, 1), (16, 1024, 4, 3)]:  # fmt: skip
+                tiles = -(-n // bn)
+                splits = {1, auto_split(tiles, k, bk, sms, 2, 2), auto_split(tiles, k, bk, sms, 4, 2)}
+                out += [Int8GemmConfig("gemv", 1, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
         for bn, bk, warps, stages in [(64, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3),
                                       (128, 256, 8, 3), (64, 512, 4, 3), (32, 512, 4, 3)]:  # fmt: skip
             for split in sorted(
@@ -109,7 +115,8 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
     if m <= 64:
         mode, bm = ("gemv", 1) if m == 1 else ("skinny", max(16, 1 << (m - 1).bit_length()))
         tilings = ([(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 3),
-                    (256, 128, 4, 1), (64, 64, 4, 4)] if m == 1 else
+                    (256, 128, 4, 1), (64, 64, 4, 4), (256, 128, 4, 3), (128, 128, 2, 3), (64, 128, 2, 4),
+                    (128, 128, 4, 5)] if m == 1 else
                    [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)])  # fmt: skip
         for bn, bk, warps, stages in tilings:
             tiles = -(-n // bn)

@@ -1,9 +1,10 @@
 """Triton GEMM kernels for the quantized Linear layers on CUDA (mllmd_kernels; torch references in `kernels`).
 
-* TritonW8A8Kernel: per-token int8 activation quantization (`int8_quant`, compressed-tensors'
-  rounding bit for bit), then int8 x int8 -> int32 on the tensor cores with the per-token and
-  per-channel scales (and bias) in the epilogue (`int8_gemm`). The int8 weight [N, K] is used as
-  stored (K-major is what int8 MMA wants).
+* TritonW8A8Kernel (`w8a8_linear`): per-token int8 activation quantization (`int8_quant`,
+  compressed-tensors' rounding bit for bit), then int8 x int8 -> int32 on the tensor cores with the
+  per-token and per-channel scales (and bias) in the epilogue (`int8_gemm`); a single row (decode at
+  batch 1) takes one integer-gemv launch with the quantization fused in (`w8a8_gemv`, the same
+  result bit for bit). The int8 weight [N, K] is used as stored (K-major is what int8 MMA wants).
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches and a tiled prefill path. The packed weight is used as stored; the scales
   (and zero points) are made column-major once at load (same shape, same bytes), so a K step reads
@@ -23,11 +24,10 @@ import torch
 import torch.nn.functional as F
 from mllmd_kernels import (
     DEQUANT_MIN_ROWS,
-    int8_gemm,
-    int8_quant,
     triton_available,
     w4a16_dequantize,
     w4a16_gemm,
+    w8a8_linear,
 )
 from torch import nn
 
@@ -58,7 +58,8 @@ def _column_major(t: torch.Tensor) -> nn.Parameter:
 
 
 class TritonW8A8Kernel(QuantLinearKernel):
-    """W8A8 on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM with fused scaling."""
+    """W8A8 on CUDA: Triton per-token int8 quantization + int8 tensor-core GEMM with fused scaling
+    (one row: one gemv launch with the quantization fused in)."""
 
     @classmethod
     def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
@@ -67,9 +68,7 @@ class TritonW8A8Kernel(QuantLinearKernel):
         return _triton_cuda(device)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = _rows(x)
-        q, s = int8_quant(x2)
-        out = int8_gemm(q, layer.weight, s, layer.weight_scale, x.dtype, bias)
+        out = w8a8_linear(_rows(x), layer.weight, layer.weight_scale, bias)
         return out.reshape(*x.shape[:-1], layer.weight.shape[0])
 
 
