@@ -31,7 +31,7 @@ build() {  # source out
 
 if want tests; then
   stamp "GPU tests"
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 \
     ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization --ignore=tests/kernel/test_flashinfer_backend.py} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
   stamp "pytest rc=${PIPESTATUS[0]}"
 fi
