@@ -82,10 +82,8 @@ if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the
   for q in W4A16 W8A8; do
     [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
       --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
-    timeout 200 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 \
-      --output-len 64 --run-name qwen3-8b-$q --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
-    timeout 200 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 2048 \
-      --output-len 4 --run-name qwen3-8b-$q-prefill --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+    timeout 240 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 2048 \
+      --output-len 64 --prefill-repeats 5 --run-name qwen3-8b-$q --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   done
 fi
 
