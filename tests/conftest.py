@@ -28,3 +28,18 @@ def qwen3_untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session", params=["tied", "untied"])
 def qwen3_model(request: pytest.FixtureRequest) -> Path:
     return request.getfixturevalue(f"qwen3_{request.param}")
+
+
+@pytest.fixture(autouse=True)
+def _release_cuda_memory():
+    """On a GPU every engine sizes its KV cache from the free device memory: collect the previous
+    test's engines (the model runner and its CUDA graphs form reference cycles) and return their
+    cached blocks to the device before the next test measures. Nothing to do without CUDA."""
+    yield
+    import torch
+
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
