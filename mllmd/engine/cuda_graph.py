@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,7 +41,9 @@ class CudaGraphRunner:
     """Captures decode for each size in `batch_sizes`; `run(batch)` replays the fitting one."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
-        self.runner = runner
+        # A weak reference: the runner owns this object, and a cycle would keep the model, the KV pool
+        # and the graphs' memory alive after the engine is dropped, until the garbage collector ran.
+        self.runner = weakref.proxy(runner)
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
         dev = runner.device

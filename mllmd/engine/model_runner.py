@@ -152,6 +152,8 @@ class ModelRunner:
             weight_bytes / 1e6, self.max_total_tokens,
         )
 
+    _kv_budget_detail: str = ""  # the figures behind the CUDA KV budget, for the log and errors
+
     def _kv_pool_size(self) -> int:
         """KV tokens: the configured size, else what the memory budget leaves (see _cuda_kv_budget)."""
         if self.config.max_total_tokens is not None:
@@ -171,7 +173,7 @@ class ModelRunner:
             raise RuntimeError(
                 f"not enough memory for the KV cache after the weights ({info.weight_bytes / 1e9:.2f} GB) and the "
                 f"activations of the largest step: budget {budget / 1e6:.0f} MB; lower scheduler.max_prefill_tokens "
-                f"or raise runtime.mem_fraction_static"
+                f"or raise runtime.mem_fraction_static" + (f" ({self._kv_budget_detail})" if self._kv_budget_detail else "")
             )
         return tokens
 
@@ -200,13 +202,12 @@ class ModelRunner:
         if not self.config.disable_cuda_graph:
             graphs = sum(capture_batch_sizes(self._graph_max_bs())) * vocab * 6 + (64 << 20)
         budget = kv_budget_bytes(mem, self.config.mem_fraction_static, activations, sampler, graphs)
-        total, used = mem.total, mem.weights
-        logger.info(
-            "KV budget %.2f GB: device %.1f GB x %.2f, weights %.2f GB, step activations %.2f GB, "
-            "sampler %.2f GB, CUDA graphs %.2f GB",
-            budget / 1e9, total / 1e9, self.config.mem_fraction_static, used / 1e9, activations / 1e9,
-            sampler / 1e9, graphs / 1e9,
+        self._kv_budget_detail = (
+            f"KV budget {budget / 1e9:.2f} GB: device {mem.total / 1e9:.1f} GB x {self.config.mem_fraction_static:.2f} "
+            f"(free now {mem.free / 1e9:.2f} GB), allocated before the pool (weights) {mem.weights / 1e9:.2f} GB, "
+            f"step activations {activations / 1e9:.2f} GB, sampler {sampler / 1e9:.2f} GB, CUDA graphs {graphs / 1e9:.2f} GB"
         )
+        logger.info("%s", self._kv_budget_detail)
         return budget
 
     def _attention_backend(self) -> AttentionBackend:
