@@ -46,7 +46,9 @@ class AdminApi:
         if not raw.strip():
             return {}
         try:
-            body = json.loads(raw)
+            body = json.loads(raw.decode("utf-8-sig"))
+        except UnicodeDecodeError:
+            raise bad_request("the request body must be UTF-8 encoded JSON") from None
         except ValueError:
             raise bad_request("the request body is not valid JSON") from None
         if not isinstance(body, dict):

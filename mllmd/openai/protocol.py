@@ -54,9 +54,17 @@ GENERATE_SAMPLING_KEYS = (
 
 
 def decode_json(body: bytes) -> Any:
-    """Decode a request body; invalid JSON (or NaN/Infinity, or absurd nesting) is a 400."""
+    """Decode a request body; invalid JSON (or NaN/Infinity, or absurd nesting) is a 400. JSON between
+    systems is UTF-8 (RFC 8259, section 8.1): UTF-16/32 bodies, which json.loads would sniff and accept,
+    are refused; a UTF-8 byte-order mark is tolerated."""
     try:
-        return json.loads(body, parse_constant=_reject_constant)
+        text = body.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        text = "\0"
+    if "\0" in text:  # never in JSON text (control characters are escaped); UTF-16/32 ASCII has NULs
+        raise bad_request("The JSON body of your request must be encoded as UTF-8.") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise bad_request(
             "We could not parse the JSON body of your request (it must be valid JSON)."

@@ -30,6 +30,15 @@ class Detokenizer:
         self.params[msg["rid"]] = p
         self.meta[msg["rid"]] = msg.get("meta") or {}
 
+    def reset(self) -> int:
+        """Drop every request's state (a new scheduler started: whatever it ran before is gone, and
+        its requests were failed by main); returns how many were dropped."""
+        dropped = len(self.states)
+        self.states.clear()
+        self.params.clear()
+        self.meta.clear()
+        return dropped
+
     def _logprob_entries(self, out: Any) -> list[dict[str, Any]] | None:
         from mllmd.detokenizer import token_bytes, token_text
 
@@ -94,14 +103,24 @@ def run(wctx: WorkerContext) -> None:
     while not wctx.stopping:
         if not inbox.poll(100):
             continue
-        msg = inbox.recv_pyobj()
-        logger.debug("%s", msg["type"])
-        if msg["type"] == "register":
-            detok.register(msg)
-        elif msg["type"] == "outputs":
-            items = [i for i in (detok.process(o) for o in msg["outputs"]) if i is not None]
-            if items:
-                wctx.send_main({"type": "outputs", "items": items})
+        items = handle(detok, inbox.recv_pyobj())
+        if items:
+            wctx.send_main({"type": "outputs", "items": items})
+
+
+def handle(detok: Detokenizer, msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Apply one message from the scheduler; returns the items to stream out (outputs only)."""
+    kind = msg["type"]
+    logger.debug("%s", kind)
+    if kind == "register":
+        detok.register(msg)
+    elif kind == "outputs":
+        return [i for i in (detok.process(o) for o in msg["outputs"]) if i is not None]
+    elif kind == "reset":
+        dropped = detok.reset()
+        if dropped:
+            logger.warning("scheduler restarted: dropped the state of %d unfinished requests", dropped)
+    return []
 
 
 if __name__ == "__main__":

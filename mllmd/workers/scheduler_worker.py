@@ -65,6 +65,9 @@ def run(wctx: WorkerContext) -> None:
         install_from_env(engine, wctx.settings["tokenizer_path"])
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     to_detok = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
+    # A restarted scheduler starts with no requests: the detokenizer's state for the ones the previous
+    # process ran (main failed them) would otherwise stay forever. Sent before any register.
+    to_detok.send_pyobj({"type": "reset"})
     info = engine.info
     wctx.ready(
         context_length=info.context_length,

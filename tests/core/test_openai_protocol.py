@@ -457,6 +457,16 @@ def test_decode_json():
         assert info.value.status == 400
 
 
+def test_decode_json_takes_utf8_only():
+    """RFC 8259 8.1: UTF-8 (a BOM is tolerated); UTF-16/32, which json.loads would sniff, are a 400."""
+    assert decode_json('{"text": "héllo ☃"}'.encode()) == {"text": "héllo ☃"}
+    assert decode_json(b"\xef\xbb\xbf" + b'{"a": 1}') == {"a": 1}
+    for enc in ("utf-16", "utf-16-le", "utf-32"):
+        with pytest.raises(APIError) as info:
+            decode_json('{"a": 1}'.encode(enc))
+        assert info.value.status == 400 and "UTF-8" in info.value.message
+
+
 # ---------------------------------------------------------------------------------------------
 # Parsing: bad inputs
 
