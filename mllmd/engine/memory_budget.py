@@ -22,11 +22,15 @@ class DeviceMemory:
 def device_memory(
     integrated: bool, weights: int, mem_get_info: tuple[int, int], mem_available: int, torch_reserved: int
 ) -> DeviceMemory:
-    """Figures for `kv_budget_bytes`; mem_get_info is (free, total) as torch.cuda.mem_get_info gives it."""
+    """Figures for `kv_budget_bytes`; mem_get_info is (free, total) as torch.cuda.mem_get_info gives it,
+    `weights` what torch has allocated (the loaded weights), `torch_reserved` what its caching
+    allocator holds. Blocks the allocator holds unused (left by an engine dropped earlier in the same
+    process) are free to this process although the driver counts them as used."""
+    cached = max(0, torch_reserved - weights)
     if integrated:
-        return DeviceMemory(total=mem_available + torch_reserved, free=mem_available, weights=weights)
+        return DeviceMemory(total=mem_available + torch_reserved, free=mem_available + cached, weights=weights)
     free, total = mem_get_info
-    return DeviceMemory(total=total, free=free, weights=weights)
+    return DeviceMemory(total=total, free=free + cached, weights=weights)
 
 
 def kv_budget_bytes(mem: DeviceMemory, fraction: float, activations: int, sampler: int, graphs: int) -> float:

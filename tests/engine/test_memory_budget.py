@@ -43,3 +43,15 @@ def test_capture_batch_sizes() -> None:
         assert size <= bs * 4 / 3 or size - bs <= 1
         if bs >= 32:
             assert size <= bs * 1.25
+
+
+@pytest.mark.parametrize("integrated", [False, True])
+def test_blocks_cached_by_torch_count_as_free(integrated: bool) -> None:
+    """An engine dropped earlier in the process left 100 GB in torch's caching allocator: the driver
+    reports it as used, yet the next engine can take it (it used to get a negative budget)."""
+    weights, cached = int(0.16 * GB), 100 * GB
+    mem = device_memory(
+        integrated, weights, (int(0.3 * GB), int(150 * GB)), mem_available=int(0.3 * GB), torch_reserved=weights + cached
+    )
+    assert mem.free == int(0.3 * GB) + cached
+    assert kv_budget_bytes(mem, 0.85, 10**8, 3 * 10**8, 4 * 10**8) > 80 * GB
