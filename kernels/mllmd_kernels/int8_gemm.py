@@ -144,6 +144,18 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8Gem
 
 
 @triton.jit
+def n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N: tl.constexpr):
+    """This program's output rows (axis 0: BLOCK_N of N; rows past N re-read row 0 and are never
+    stored) and its K range (axis 1: one split of K_PER_SPLIT columns): offs_n, mask_n, the row
+    indices as int64, k_start, k_len."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    rows = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    k_start = tl.program_id(1) * K_PER_SPLIT
+    return offs_n, mask_n, rows, k_start, tl.minimum(K_PER_SPLIT, K - k_start)
+
+
+@triton.jit
 def _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
     """float32 (acc * a_scale[m]) * b_scale[n] (+ bias[n]) for acc [len(offs_m), len(offs_n)]."""
     a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
@@ -237,17 +249,12 @@ def _int8_skinny_kernel(
     EVEN_K: tl.constexpr,
 ):
     """Decode: acc[BLOCK_N, BLOCK_M] = b_tile @ a_tile^T in int32 over one K split."""
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows_b = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_n, mask_n, rows_b, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     rows_a = tl.where(mask_m, offs_m, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
-    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_start + offs_k)[None, :]
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
@@ -316,12 +323,8 @@ def _int8_gemv_kernel(
     and quantizes its x slices itself (`_quant_row`: int8_quant's q bit for bit)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows_b = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_n, mask_n, rows_b, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    k_start = pid_k * K_PER_SPLIT
-    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
     if FUSE_QUANT:
         a_scale = _row_int8_scale(a_ptr, K, SCALE_BLOCK)
     else:

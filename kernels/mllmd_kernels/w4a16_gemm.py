@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import dot_in_fp32, next_pow2, sm_count_for, tl, triton
-from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory
+from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split
 
 
 def unpack_int4_ref(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -249,14 +249,9 @@ def _w4a16_gemv_kernel(
     """M == 1: a [BLOCK_N, BLOCK_K / 8] tile of words is 8 nibble planes (plane i: k = 8j + i), each
     multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1."""
     BW: tl.constexpr = BLOCK_K // 8
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows_n = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_w = tl.arange(0, BW)
-    k_start = pid_k * K_PER_SPLIT
-    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
     w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (w_col + offs_w)[None, :]
     x_ptrs = x_ptr + k_start
@@ -342,15 +337,10 @@ def _w4a16_decode_kernel(
     EVEN_K: tl.constexpr,
 ):
     """Skinny (2 <= M <= 64): W_tile @ x_tile^T on tensor cores, one K split per program along axis 1."""
-    pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows_n = tl.where(mask_n, offs_n, 0).to(tl.int64)  # out-of-range rows re-read row 0 (never stored)
+    offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
-    k_start = pid_k * K_PER_SPLIT
-    k_len = tl.minimum(K_PER_SPLIT, K - k_start)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start // 8 + offs_w)[None, :]
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
