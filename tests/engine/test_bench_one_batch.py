@@ -29,3 +29,16 @@ def test_prefill_repeats_report_the_median_and_profile_the_prefill(tmp_path: Pat
     table = trace.with_suffix(".txt").read_text()
     assert trace.exists() and "aten::" in table
     assert "aten::embedding" in table  # the prefill's forward ran under the profiler
+
+
+def test_hf_baseline_fields_are_ratios_of_the_same_run(tmp_path: Path) -> None:
+    model = build_tiny_checkpoint(tmp_path / "m")
+    out = tmp_path / "r.jsonl"
+    one_batch.main(
+        ["--model-path", str(model), "--batch-size", "1", "--input-len", "8", "--output-len", "4",
+         "--device", "cpu", "--dtype", "float32", "--warmup", "0", "--baseline", "hf", "--result-filename", str(out)]
+    )
+    line = json.loads(out.read_text().splitlines()[-1])
+    assert line["hf_median_decode_latency"] > 0 and line["hf_prefill_latency"] > 0 and line["hf_cache"] is None
+    assert line["hf_ratio"] == line["median_decode_throughput"] / line["hf_decode_throughput"]
+    assert line["hf_prefill_ratio"] == line["prefill_throughput"] / (8 / line["hf_prefill_latency"])
