@@ -144,6 +144,23 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8Gem
 
 
 @triton.jit
+def swizzled_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of a GEMM, tiles swizzled in groups of GROUP_M rows of tiles (so the
+    weight tiles of neighbouring programs are shared in L2): offs_m, offs_n, and the row indices as
+    int64 with rows past the end wrapped around (read, never stored)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // num_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_in_group) % group_size_m
+    pid_n = (pid % num_in_group) // group_size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, (offs_m % M).to(tl.int64), (offs_n % N).to(tl.int64)
+
+
+@triton.jit
 def n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N: tl.constexpr):
     """This program's output rows (axis 0: BLOCK_N of N; rows past N re-read row 0 and are never
     stored) and its K range (axis 1: one split of K_PER_SPLIT columns): offs_n, mask_n, the row
@@ -189,20 +206,7 @@ def _int8_gemm_kernel(
 ):
     """Prefill: acc[BLOCK_M, BLOCK_N] = a_tile @ b_tile^T over K in int32, output tiles swizzled in
     groups of GROUP_M rows of tiles (so the b tiles of neighbouring programs are shared in L2)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % group_size_m
-    pid_n = (pid % num_in_group) // group_size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_a = (offs_m % M).to(tl.int64)  # rows past the end wrap around (read, never stored)
-    rows_b = (offs_n % N).to(tl.int64)
+    offs_m, offs_n, rows_a, rows_b = swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + offs_k[None, :]

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import dot_in_fp32, next_pow2, sm_count_for, tl, triton
-from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split
+from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
 def unpack_int4_ref(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -405,20 +405,7 @@ def _w4a16_gemm_kernel(
     EVEN_K: tl.constexpr,
 ):
     """Prefill: acc[BLOCK_M, BLOCK_N] = x_tile @ dequant(W_tile)^T, tiles swizzled by GROUP_M."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % group_size_m
-    pid_n = (pid % num_in_group) // group_size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = (offs_m % M).to(tl.int64)  # rows past the end wrap around (read, never stored)
-    rows_n = (offs_n % N).to(tl.int64)
+    offs_m, offs_n, rows_m, rows_n = swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
