@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import next_pow2, sm_count_for, tl, triton
-from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref
+from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
 GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 
@@ -287,19 +287,6 @@ def _int8_skinny_kernel(
 
 
 @triton.jit
-def _row_int8_scale(x_ptr, K, BLOCK: tl.constexpr):
-    """int8_quant's per-token scale of the float row x [K]: max|x| / 127.5 (correctly rounded), a zero
-    scale replaced by float32 eps. The max is exact, so the scale is int8_quant's bit for bit."""
-    offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + k0 + offs, mask=k0 + offs < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), 127.5)
-    return tl.where(scale == 0.0, 1.1920928955078125e-07, scale)
-
-
-@triton.jit
 def _int8_gemv_kernel(
     a_ptr,  # [K] int8 activations, or the float row x [K] (FUSE_QUANT)
     b_ptr,  # [N, K] int8
@@ -330,7 +317,7 @@ def _int8_gemv_kernel(
     offs_n, mask_n, rows_b, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     if FUSE_QUANT:
-        a_scale = _row_int8_scale(a_ptr, K, SCALE_BLOCK)
+        a_scale = row_int8_scale(a_ptr, K, SCALE_BLOCK)
     else:
         a_scale = tl.load(as_ptr)
     b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_start + offs_k)[None, :]

@@ -43,6 +43,24 @@ def _quant_row(x, scale):
 
 
 @triton.jit
+def int8_scale(amax):
+    """The per-token scale from a row's max|x|: amax / 127.5 correctly rounded, zero -> float32 eps."""
+    scale = tl.math.div_rn(amax, 127.5)  # INT8_RANGE_HALF
+    return tl.where(scale == 0.0, 1.1920928955078125e-07, scale)  # FP32_EPS
+
+
+@triton.jit
+def row_int8_scale(x_row, K, BLOCK: tl.constexpr):
+    """int8_scale of the float row x_row[0:K], its max|x| taken BLOCK elements at a time (exact)."""
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK):
+        x = tl.load(x_row + k0 + offs, mask=k0 + offs < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    return int8_scale(tl.max(amax, axis=0))
+
+
+@triton.jit
 def _int8_quant_kernel(
     x_ptr,  # [M, K]
     q_ptr,  # [M, K] int8
@@ -60,19 +78,10 @@ def _int8_quant_kernel(
     if ONE_PASS:
         mask = offs < K
         x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        scale = tl.math.div_rn(amax, 127.5)
-        scale = tl.where(scale == 0.0, 1.1920928955078125e-07, scale)
+        scale = int8_scale(tl.max(tl.abs(x), axis=0))
         tl.store(q_row + offs, _quant_row(x, scale), mask=mask)
     else:
-        amax_v = tl.zeros((BLOCK_K,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            mask = k0 + offs < K
-            x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            amax_v = tl.maximum(amax_v, tl.abs(x))
-        amax = tl.max(amax_v, axis=0)
-        scale = tl.math.div_rn(amax, 127.5)
-        scale = tl.where(scale == 0.0, 1.1920928955078125e-07, scale)
+        scale = row_int8_scale(x_row, K, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             x = tl.load(x_row + k0 + offs, mask=mask, other=0.0).to(tl.float32)
