@@ -493,17 +493,6 @@ def w8a8_gemv(
     return _gemv(x, weight, None, weight_scale, bias, out, cfg, fuse_quant=True)
 
 
-def _fuse_one_row(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Fuse the quantization into the one-row gemv where there are >= 2 weight tiles per SM: each
-    program's max|x| pass is then hidden by the other programs' weight reads. With fewer (o and down
-    on an H200) a separate int8_quant launch is cheaper: fused o took 10.3 us against 6.7 us for the
-    gemv alone, fused down 22.5 against 14.7 (bench_quant, Qwen3-8B shapes)."""
-    n, k = weight.shape
-    sms = sm_count_for(x)
-    cfg = pick_int8_config(1, n, k, sms, max_shared_memory(x))
-    return triton.cdiv(n, cfg.block_n) >= 2 * sms
-
-
 def w8a8_linear(
     x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
     weight: torch.Tensor,  # [N, K] int8
@@ -511,10 +500,21 @@ def w8a8_linear(
     bias: torch.Tensor | None = None,
     config: Int8GemmConfig | None = None,
 ) -> torch.Tensor:
-    """W8A8 linear with Triton: per-token int8 quantization of x, then int8_gemm -> [M, N] x.dtype
-    (one row: `w8a8_gemv`, the quantization fused into the gemv)."""
-    fuse = _fuse_one_row(x, weight) if config is None else config.mode == "gemv"
-    if x.shape[0] == 1 and fuse:
-        return w8a8_gemv(x, weight, weight_scale, bias, config=config)
+    """W8A8 linear with Triton: per-token int8 quantization of x, then int8_gemm -> [M, N] x.dtype.
+
+    One row with the default tiling: where there are >= 2 weight tiles per SM, `w8a8_gemv` (the
+    quantization fused in; each program's max|x| pass is hidden by the other programs' weight reads).
+    With fewer (o and down on an H200) a separate int8_quant launch is cheaper: fused o took 10.3 us
+    against 6.7 us for the gemv alone, fused down 22.5 against 14.7 (bench_quant, Qwen3-8B shapes)."""
+    if x.shape[0] == 1:
+        if config is None:
+            n, k = weight.shape
+            sms = sm_count_for(x)
+            config = pick_int8_config(1, n, k, sms, max_shared_memory(x))
+            fuse = triton.cdiv(n, config.block_n) >= 2 * sms
+        else:
+            fuse = config.mode == "gemv"
+        if fuse:
+            return w8a8_gemv(x, weight, weight_scale, bias, config=config)
     q, s = int8_quant(x)
     return int8_gemm(q, weight, s, weight_scale, x.dtype, bias, config=config)
