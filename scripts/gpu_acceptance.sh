@@ -93,8 +93,8 @@ if want serve; then
   timeout 200 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 64 --input-len 256 --output-len 128 \
     --run-name qwen3-8b-serving-shape --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   stamp "daemon"
-  python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 --server.unix_socket "" \
-    --scheduler.max_running_requests 64 ${SERVE_FLAGS:-} >"$OUT/daemon.log" 2>&1 &
+  MLLMD_STEP_TRACE="$OUT/steps.jsonl" python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 \
+    --server.unix_socket "" --scheduler.max_running_requests 64 ${SERVE_FLAGS:-} >"$OUT/daemon.log" 2>&1 &
   DPID=$!
   health() { python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health', timeout=2).read().decode())" 2>/dev/null; }
   for _ in $(seq 1 180); do health >/dev/null && break; sleep 1; done
@@ -109,6 +109,7 @@ if want serve; then
     --seed 3 --warmup-requests 4 --result-filename "$OUT/serving.jsonl" 2>&1 | tail -30
   kill -TERM $DPID; wait $DPID
   tail -5 "$OUT/daemon.log"
+  python3 scripts/step_trace_summary.py "$OUT/steps.jsonl"
   stamp "serve done"
 fi
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -28,6 +29,34 @@ def _engine_stats(engine: Any) -> dict[str, Any]:
         "cached_prompt_tokens": s.cached_prompt_tokens,
         "preemptions": s.preemptions,
     }
+
+
+class StepTrace:
+    """Debug aid: one JSON line per loop iteration (MLLMD_STEP_TRACE=path): time spent on messages,
+    in engine.step and sending outputs, and the tokens the step computed. Off unless the variable is set."""
+
+    def __init__(self, engine: Any, path: str) -> None:
+        self.engine = engine
+        self.file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered; lives as long as the worker)
+        s = engine.scheduler.stats
+        self.last = (s.prefill_tokens_computed, s.decode_tokens_computed)
+
+    @classmethod
+    def from_env(cls, engine: Any) -> StepTrace | None:
+        path = os.environ.get("MLLMD_STEP_TRACE")
+        return cls(engine, path) if path else None
+
+    def record(self, t0: float, t1: float, t2: float, t3: float, n_outputs: int) -> None:
+        s = self.engine.scheduler.stats
+        now = (s.prefill_tokens_computed, s.decode_tokens_computed)
+        prefill, decode = now[0] - self.last[0], now[1] - self.last[1]
+        self.last = now
+        if prefill or decode or n_outputs:
+            self.file.write(json.dumps({
+                "t": round(t0, 6), "msgs_ms": round((t1 - t0) * 1e3, 3), "step_ms": round((t2 - t1) * 1e3, 3),
+                "send_ms": round((t3 - t2) * 1e3, 3), "prefill": prefill, "decode": decode, "outputs": n_outputs,
+                "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+            }) + "\n")
 
 
 def handle(msg: dict[str, Any], engine: Any, wctx: WorkerContext, to_detok: zmq.Socket[Any]) -> None:
@@ -79,15 +108,21 @@ def run(wctx: WorkerContext) -> None:
     )
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    trace = StepTrace.from_env(engine)
     last_stats = 0.0
     while not wctx.stopping:
         timeout = 0 if engine.has_unfinished() else 50
+        t0 = time.perf_counter()
         while dict(poller.poll(timeout)).get(inbox):
             handle(inbox.recv_pyobj(), engine, wctx, to_detok)
             timeout = 0
+        t1 = time.perf_counter()
         outputs = engine.step()
+        t2 = time.perf_counter()
         if outputs:
             to_detok.send_pyobj({"type": "outputs", "outputs": outputs})
+        if trace is not None:
+            trace.record(t0, t1, t2, time.perf_counter(), len(outputs))
         now = time.monotonic()
         if now - last_stats > STATS_INTERVAL:
             wctx.send_main(_engine_stats(engine))
