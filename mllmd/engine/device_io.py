@@ -30,6 +30,27 @@ def to_device(data: Any, dtype: torch.dtype, device: torch.device | str) -> torc
     return host.to(dev, non_blocking=True)
 
 
+ALIGN_BYTES = 16
+
+
+def to_device_parts(parts: Sequence[Sequence[int | float]], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """Several flat lists in one staged copy (see to_device); each part starts on a 16-byte boundary.
+
+    Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so a part that
+    started mid-word on some steps (after an odd-length part) would compile a second variant of every
+    kernel that reads it, in the middle of serving.
+    """
+    per = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    flat: list[int | float] = []
+    starts = []
+    for part in parts:
+        starts.append(len(flat))
+        flat += part
+        flat += [0] * (-len(part) % per)
+    staged = to_device(flat, dtype, device)
+    return [staged[s : s + len(p)] for s, p in zip(starts, parts)]
+
+
 class PendingFetch:
     """Device tensors on their way to the host: `wait()` returns their `.tolist()` values."""
 

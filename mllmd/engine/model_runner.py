@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import logging
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import torch
 from mllmd.config import EngineConfig
 from mllmd.engine.attention import AttentionBackend, create_attention_backend
 from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
-from mllmd.engine.device_io import to_device
+from mllmd.engine.device_io import to_device, to_device_parts
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
@@ -146,6 +147,8 @@ class ModelRunner:
                 self.graph_runner = CudaGraphRunner(self, capture_batch_sizes(self._graph_max_bs()))
             else:
                 logger.info("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
+        if self.device.type == "cuda":
+            self.warm_up()
         logger.info(
             "loaded %s (%s, %s, quantization %s) on %s: weights %.1f MB, KV pool %d tokens",
             config.model_path, type(self.model).__name__, dtype, self.info.quantization or "none", self.device,
@@ -215,47 +218,83 @@ class ModelRunner:
         return create_attention_backend(
             self.config.attention_backend, self.device.type,
             device=self.device, num_qo_heads=attn.num_heads, scale=attn.scale, dtype=self.info.dtype,
+            head_dim=attn.head_dim,
         )
 
     def _graph_max_bs(self) -> int:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
 
+    def _scratch_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
+        """A batch over a private KV pool and request table (random tokens): for profiling and warm-up.
+        Row i extends prefix_lens[i] cached tokens by extend_lens[i] new ones; every row samples."""
+        dev, info = self.device, self.info
+        seq = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        total = sum(seq)
+        pool = KVPool(total, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, dev)
+        table = ReqToTokenPool(len(seq), max(seq), dev)
+        slots = torch.arange(1, total + 1, dtype=torch.int64, device=dev)  # slot 0 is the pool's reserved one
+        new_locs, positions, start = [], [], 0
+        for r, (p, n) in enumerate(zip(prefix_lens, extend_lens)):
+            table.req_to_token[r, : p + n] = slots[start : start + p + n]
+            new_locs.append(slots[start + p : start + p + n])
+            positions.append(torch.arange(p, p + n, dtype=torch.int64, device=dev))
+            start += p + n
+        rows, seq_t, ext, logit_rows = to_device_parts(
+            [list(range(len(seq))), seq, extend_lens, [x - 1 for x in itertools.accumulate(extend_lens)]],
+            torch.int64, dev,
+        )
+        batch = ForwardBatch(
+            input_ids=torch.randint(0, info.vocab_size, (sum(extend_lens),), device=dev),
+            positions=torch.cat(positions),
+            out_cache_loc=torch.cat(new_locs),
+            req_pool_indices=rows,
+            seq_lens=seq_t,
+            extend_lens=ext,
+            logits_indices=logit_rows,
+            seq_lens_cpu=seq,
+            prefix_lens_cpu=list(prefix_lens),
+            extend_lens_cpu=list(extend_lens),
+            req_to_token_pool=table,
+            kv_pool=pool,
+            attn_backend=self._attention_backend(),
+        )
+        batch.attn_backend.init_forward_metadata(batch)
+        return batch
+
     @torch.inference_mode()
     def profile_step_bytes(self) -> int:
         """Peak bytes a forward of the largest step allocates beyond the weights (CUDA only)."""
-        dev, info = self.device, self.info
-        n = max(1, min(self.config.max_prefill_tokens, info.context_length))
-        pool = KVPool(n, info.num_layers, info.num_kv_heads, info.head_dim, info.dtype, dev)
-        table = ReqToTokenPool(1, n, dev)
-        slots = torch.arange(1, n + 1, dtype=torch.int64, device=dev)
-        table.req_to_token[0, :n] = slots
-        backend = self._attention_backend()
-        one = torch.ones(1, dtype=torch.int64, device=dev)
-        batch = ForwardBatch(
-            input_ids=torch.randint(0, info.vocab_size, (n,), device=dev),
-            positions=slots - 1,
-            out_cache_loc=slots,
-            req_pool_indices=one - 1,
-            seq_lens=one * n,
-            extend_lens=one * n,
-            logits_indices=one * (n - 1),
-            seq_lens_cpu=[n],
-            prefix_lens_cpu=[0],
-            extend_lens_cpu=[n],
-            req_to_token_pool=table,
-            kv_pool=pool,
-            attn_backend=backend,
-        )
-        backend.init_forward_metadata(batch)
+        dev = self.device
+        n = max(1, min(self.config.max_prefill_tokens, self.info.context_length))
+        batch = self._scratch_batch([0], [n])
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         self.forward_eager(batch)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
-        del batch, pool, table, slots
+        del batch
         torch.cuda.empty_cache()
         return int(peak)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile, before the first request, the kernel variants that prefill and mixed steps use.
+
+        Triton compiles a kernel once per set of tile sizes, and tile sizes follow the step's shape
+        (the attention's query block follows the longest new sequence, quantized GEMMs pick tiles by
+        row count). Compiled in the middle of serving, each costs a step of 0.1 s or more, on every
+        request running then. Decode shapes are compiled by the CUDA graph capture.
+        """
+        cap = max(1, min(self.config.max_prefill_tokens, self.info.context_length))
+        shapes = [([0], [n]) for n in (2, 24, 48, 96, 200, 400, 1000) if n <= cap]
+        if cap >= 40:
+            shapes.append(([7, 0, 30], [1, 5, 33]))  # decodes beside prefill chunks, one with a prefix
+        for prefix, extend in shapes:
+            self.forward_eager(self._scratch_batch(prefix, extend))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
         """Gather the step's flat inputs from the scheduled requests: one staged host-to-device copy."""
@@ -276,14 +315,12 @@ class ModelRunner:
                 fill_rows.append(len(input_ids) - 1)
                 fill_slots.append(req.req_pool_idx)
             assert PLACEHOLDER not in input_ids[start:-1], "only a request's last token can be in flight"
-        t, b = len(input_ids), len(seq_lens)
-        # [ids T | positions T | req rows B | seq_lens B | extend_lens B | logits rows N]: pinned, async
-        staged = to_device(
-            input_ids + positions + [r.req_pool_idx for r in sched.reqs] + seq_lens + sched.extend_lens + logits_rows,
+        # ids, positions, request rows, seq_lens, extend_lens, logits rows: one pinned async copy
+        parts = to_device_parts(
+            [input_ids, positions, [r.req_pool_idx for r in sched.reqs], seq_lens, sched.extend_lens, logits_rows],
             torch.int64,
             self.device,
         )
-        parts = staged.split([t, t, b, b, b, len(logits_rows)])
         if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer
             where = to_device([fill_rows, fill_slots], torch.int64, self.device)
             parts[0][where[0]] = self.token_buf[where[1]]

@@ -144,3 +144,15 @@ def test_chat_applies_the_template(llm: LLM) -> None:
     text = llm.tokenizer.decode(out.prompt_token_ids)
     assert text.startswith("<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     assert "<think>\n\n</think>" in text
+
+
+def test_warm_up_leaves_the_engine_as_it_was(llm: LLM) -> None:
+    """The warm-up runs prefill and mixed batches on a private pool: outputs and KV state are unchanged."""
+    prompt = _random_ids(40, 77)
+    before = llm.generate([prompt], GREEDY)[0].token_ids
+    free = llm.engine.runner.allocator.available_size()
+    llm.engine.runner.warm_up()
+    assert llm.engine.runner.allocator.available_size() == free
+    llm.engine.flush_cache()
+    assert llm.generate([prompt], GREEDY)[0].token_ids == before
+    assert llm.engine.is_idle_and_clean()
