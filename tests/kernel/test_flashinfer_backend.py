@@ -86,7 +86,25 @@ def test_flashinfer_refuses_float32() -> None:
         FlashInferAttentionBackend(torch.device("cuda"), 16, 0.1, torch.float32)
 
 
-def test_engine_on_flashinfer_agrees_with_triton(qwen3_model: Path) -> None:
+def test_flashinfer_refuses_head_dims_it_has_no_kernels_for() -> None:
+    from mllmd.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    with pytest.raises(ValueError, match="no kernels for head_dim 16"):
+        FlashInferAttentionBackend(torch.device("cuda"), 4, 0.25, torch.bfloat16, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def qwen3_head_dim_128(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2-layer Qwen3 with the real head size (128; FlashInfer has no kernels for the tiny models' 16)."""
+    from mllmd.testing.checkpoints import build_tiny_checkpoint
+
+    return build_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen3_hd128"), "Qwen3-0.6B", hidden_size=256, intermediate_size=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128, tie_word_embeddings=False, seed=5,
+    )
+
+
+def test_engine_on_flashinfer_agrees_with_triton(qwen3_head_dim_128: Path) -> None:
     """bf16 greedy through the whole engine (radix cache, chunked prefill): every request finishes and
     memory is returned; tokens mostly agree with the triton backend (bf16 rounding differs between the
     two, and one flipped argmax changes the rest of a sequence, so this is a smoke test: the kernel
@@ -96,10 +114,10 @@ def test_engine_on_flashinfer_agrees_with_triton(qwen3_model: Path) -> None:
     prompts = [list(range(100, 100 + n)) for n in (3, 40, 130, 7)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     kw = {"device": "cuda", "dtype": "bfloat16", "chunked_prefill_size": 32, "max_total_tokens": 4096}
-    fi = LLM(str(qwen3_model), attention_backend="flashinfer", **kw)
+    fi = LLM(str(qwen3_head_dim_128), attention_backend="flashinfer", **kw)
     outs = fi.generate(prompts, params)
     assert all(len(o.token_ids) == 16 for o in outs) and fi.engine.is_idle_and_clean()
-    tr = LLM(str(qwen3_model), attention_backend="triton", **kw)
+    tr = LLM(str(qwen3_head_dim_128), attention_backend="triton", **kw)
     ref = tr.generate(prompts, params)
     firsts = sum(o1.token_ids[0] == o2.token_ids[0] for o1, o2 in zip(outs, ref))
     same = sum(a == b for o1, o2 in zip(outs, ref) for a, b in zip(o1.token_ids, o2.token_ids))

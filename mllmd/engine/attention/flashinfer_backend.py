@@ -22,6 +22,7 @@ from mllmd.engine.attention.base import AttentionBackend
 from mllmd.engine.forward_batch import ForwardBatch
 
 WORKSPACE_BYTES = 256 << 20
+HEAD_DIMS = (64, 128, 256)  # what FlashInfer's prefill kernels are built for (0.6.x)
 
 
 def flashinfer_importable() -> bool:
@@ -41,12 +42,19 @@ class _Meta:
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = False
 
-    def __init__(self, device: torch.device, num_qo_heads: int, scale: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self, device: torch.device, num_qo_heads: int, scale: float, dtype: torch.dtype, head_dim: int | None = None
+    ) -> None:
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"runtime.attention_backend: flashinfer computes in float16 or bfloat16, not {dtype}; use triton"
+            )
+        if head_dim is not None and head_dim not in HEAD_DIMS:
+            raise ValueError(
+                f"runtime.attention_backend: flashinfer has no kernels for head_dim {head_dim} "
+                f"(it has {', '.join(map(str, HEAD_DIMS))}); use triton"
             )
         self.device = device
         self.num_qo_heads = num_qo_heads
