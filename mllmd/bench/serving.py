@@ -354,7 +354,21 @@ async def run_benchmark(
     }
     result.update(compute_metrics(requests, results, duration))
     result["settings"] = settings(args, model)
+    if getattr(args, "save_requests", None):
+        save_request_timeline(args.save_requests, results)
     return result
+
+
+def save_request_timeline(path: str, results: list[RequestResult]) -> None:
+    """One JSON line per request: when it was sent (time.perf_counter(), the monotonic clock that
+    the daemon's MLLMD_STEP_TRACE uses too, so the two line up), its TTFT and latency, tokens, error."""
+    with open(path, "w", encoding="utf-8") as f:
+        for i, r in enumerate(results):
+            f.write(json.dumps({
+                "index": i, "start": round(r.start, 6), "ttft_s": round(r.ttft, 6) if r.success else None,
+                "latency_s": round(r.latency, 6) if r.success else None, "output_tokens": r.output_tokens,
+                "error": r.error or None,
+            }) + "\n")
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -427,6 +441,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-requests", type=int, default=1, help="sent before timing starts")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     p.add_argument("--result-filename", default=None, help="append the result as one JSON line")
+    p.add_argument("--save-requests", default=None, metavar="FILE",
+                   help="write one JSON line per request: send time, TTFT, latency, tokens, error")
     args = p.parse_args(argv)
     if args.num_prompts < 1:
         p.error("--num-prompts must be >= 1")

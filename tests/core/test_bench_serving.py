@@ -250,8 +250,13 @@ def test_cli_result_file_token_ids_and_api_key(
     argv = ["--base-url", url, "--api-key", "secret-key", "--num-prompts", "3", "--random-input-len", "10",
             "--random-output-len", "4", "--random-range-ratio", "1", "--token-ids-prompt",
             "--request-rate", "50", "--result-filename", str(out)]  # fmt: skip
+    timeline = tmp_path / "requests.jsonl"
+    serving_main([*argv, "--save-requests", str(timeline)])
     serving_main(argv)
-    serving_main(argv)
+    per_request = [json.loads(x) for x in timeline.read_text().splitlines()]
+    assert [r["index"] for r in per_request] == [0, 1, 2]
+    assert all(r["error"] is None and r["output_tokens"] == 4 and 0 < r["ttft_s"] <= r["latency_s"] for r in per_request)
+    assert per_request[0]["start"] <= per_request[1]["start"] <= per_request[2]["start"]  # 50 req/s: in order
     lines = out.read_text().splitlines()
     assert len(lines) == 2
     result = json.loads(lines[0])
