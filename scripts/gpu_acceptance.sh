@@ -106,7 +106,7 @@ if want serve; then
   fi
   timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --token-ids-prompt --vocab-size 151000 \
     --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
-    --seed 3 --warmup-requests 4 --result-filename "$OUT/serving.jsonl" 2>&1 | tail -30
+    --seed 3 --warmup-requests 4 --result-filename "$OUT/serving.jsonl" --save-requests "$OUT/requests.jsonl" 2>&1 | tail -30
   kill -TERM $DPID; wait $DPID
   tail -5 "$OUT/daemon.log"
   python3 scripts/step_trace_summary.py "$OUT/steps.jsonl"
