@@ -56,13 +56,14 @@ def variant_copy(src: Path, dst: Path, edit: Any) -> Path:
 @pytest.mark.parametrize("variant", ["w8a8", "w4a16_g128"])
 def test_model_info_reports_scheme_and_stored_weight_bytes(quantized: Any, tiny_bases: dict[str, Path], variant: str) -> None:
     model_dir = quantized(variant)
-    llm = LLM(str(model_dir), dtype="float32")
+    # two engines live at once: each gets a small KV pool (the default on a GPU is most of its memory)
+    llm = LLM(str(model_dir), dtype="float32", max_total_tokens=4096)
     info = llm.engine.info
     assert info.quantization == ("w8a8" if variant == "w8a8" else "w4a16")
     # exactly what the checkpoint stores, less W4A16's weight_shape (checked at load, not kept);
     # the CPU W4A16 kernel's dequantized copy is not counted
     assert info.weight_bytes == checkpoint_bytes(model_dir, skip_suffix=(".weight_shape",))
-    dense = LLM(str(tiny_bases["untied"]), dtype="float32")
+    dense = LLM(str(tiny_bases["untied"]), dtype="float32", max_total_tokens=4096)
     assert dense.engine.info.quantization is None
     assert dense.engine.info.weight_bytes == checkpoint_bytes(tiny_bases["untied"])
     # decoder linears: int8 + a float32 scale per row ~ 1/4; int4 + float32 scale per 128 ~ 1/7.5
@@ -126,7 +127,7 @@ def test_bfloat16_compute_runs_close_to_float32(quantized: Any, variant: str) ->
     ids = list(range(1000, 1040))
     logits = []
     for dtype in ("float32", "bfloat16"):
-        engine = LLM(str(model_dir), dtype=dtype, chunked_prefill_size=0).engine
+        engine = LLM(str(model_dir), dtype=dtype, chunked_prefill_size=0, max_total_tokens=4096).engine
         engine.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0.0))
         batch = engine.runner.prepare(engine.scheduler.schedule())
         batch.logits_indices = torch.arange(batch.num_tokens)
