@@ -63,11 +63,12 @@ class RequestManager:
         self.groups[group] = rids
         logger.debug("submit %s", group)
         if direct is None:
-            await self.to_tokenizer.send_pyobj({**msg, "rid": group, "rids": rids})
+            await self.to_tokenizer.send_pyobj({**msg, "rid": group, "rids": rids, "t_submit": time.perf_counter()})
             return states
         ids, params_list = direct
         for rid, params in zip(rids, params_list):
-            gen = {"type": "generate", "rid": rid, "input_ids": ids, "params": params, "meta": {}}
+            gen = {"type": "generate", "rid": rid, "input_ids": ids, "params": params, "meta": {},
+                   "t_submit": time.perf_counter()}  # for the scheduler's MLLMD_STEP_TRACE
             await self.to_scheduler.send_pyobj(gen)
         return states
 

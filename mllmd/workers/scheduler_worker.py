@@ -40,22 +40,30 @@ class StepTrace:
         self.file = open(path, "a", buffering=1)  # noqa: SIM115 (line-buffered; lives as long as the worker)
         s = engine.scheduler.stats
         self.last = (s.prefill_tokens_computed, s.decode_tokens_computed)
+        self.submitted: list[float] = []  # main's submit time of each request received this iteration
 
     @classmethod
     def from_env(cls, engine: Any) -> StepTrace | None:
         path = os.environ.get("MLLMD_STEP_TRACE")
         return cls(engine, path) if path else None
 
+    def received(self, msg: dict[str, Any]) -> None:
+        """A generate message arrived: note when main submitted it (time.perf_counter, same clock)."""
+        if isinstance(msg.get("t_submit"), float):
+            self.submitted.append(round(msg["t_submit"], 6))
+
     def record(self, t0: float, t1: float, t2: float, t3: float, n_outputs: int) -> None:
         s = self.engine.scheduler.stats
         now = (s.prefill_tokens_computed, s.decode_tokens_computed)
         prefill, decode = now[0] - self.last[0], now[1] - self.last[1]
         self.last = now
-        if prefill or decode or n_outputs:
+        submitted, self.submitted = self.submitted, []
+        if prefill or decode or n_outputs or submitted:
             self.file.write(json.dumps({
                 "t": round(t0, 6), "msgs_ms": round((t1 - t0) * 1e3, 3), "step_ms": round((t2 - t1) * 1e3, 3),
                 "send_ms": round((t3 - t2) * 1e3, 3), "prefill": prefill, "decode": decode, "outputs": n_outputs,
                 "running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                "submitted": submitted,
             }) + "\n")
 
 
@@ -114,7 +122,10 @@ def run(wctx: WorkerContext) -> None:
         timeout = 0 if engine.has_unfinished() else 50
         t0 = time.perf_counter()
         while dict(poller.poll(timeout)).get(inbox):
-            handle(inbox.recv_pyobj(), engine, wctx, to_detok)
+            msg = inbox.recv_pyobj()
+            if trace is not None and msg.get("type") == "generate":
+                trace.received(msg)
+            handle(msg, engine, wctx, to_detok)
             timeout = 0
         t1 = time.perf_counter()
         outputs = engine.step()

@@ -76,7 +76,8 @@ def run(wctx: WorkerContext) -> None:
             wctx.send_main({"type": "error", "rid": rid, "status": 400, "message": f"could not build the prompt: {e}"})
             continue
         for sub_rid, params in zip(msg["rids"], params_list):
-            to_sched.send_pyobj({"type": "generate", "rid": sub_rid, "input_ids": ids, "params": params, "meta": meta})
+            to_sched.send_pyobj({"type": "generate", "rid": sub_rid, "input_ids": ids, "params": params, "meta": meta,
+                                 "t_submit": msg.get("t_submit")})
 
 
 if __name__ == "__main__":

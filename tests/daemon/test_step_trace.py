@@ -29,6 +29,8 @@ def test_lines_carry_each_steps_tokens_and_times(tmp_path: Path, monkeypatch: py
     trace = StepTrace.from_env(engine)
     assert trace is not None
     stats = engine.scheduler.stats
+    trace.received({"type": "generate", "rid": "a", "t_submit": 9.5})
+    trace.received({"type": "generate", "rid": "b"})  # no submit time (an older main): not listed
     stats.prefill_tokens_computed = 300  # a mixed step: one prompt of 300 and 2 decodes
     stats.decode_tokens_computed = 2
     trace.record(10.0, 10.001, 10.021, 10.0215, 2)
@@ -40,5 +42,6 @@ def test_lines_carry_each_steps_tokens_and_times(tmp_path: Path, monkeypatch: py
     assert [(r["prefill"], r["decode"], r["outputs"]) for r in lines] == [(300, 2, 2), (0, 2, 2)]
     assert lines[0]["step_ms"] == pytest.approx(20.0) and lines[0]["msgs_ms"] == pytest.approx(1.0)
     assert lines[0]["running"] == 2 and lines[0]["waiting"] == 1
+    assert lines[0]["submitted"] == [9.5] and lines[1]["submitted"] == []
     summary = summarize(lines)
     assert summary["with_prefill"]["n"] == 1 and summary["decode_only"]["tokens"] == 2
