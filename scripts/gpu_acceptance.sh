@@ -110,6 +110,7 @@ if want serve; then
   kill -TERM $DPID; wait $DPID
   tail -5 "$OUT/daemon.log"
   python3 scripts/step_trace_summary.py "$OUT/steps.jsonl"
+  python3 scripts/serving_timeline.py "$OUT/requests.jsonl" "$OUT/steps.jsonl"
   stamp "serve done"
 fi
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mllmd.workers.scheduler_worker import StepTrace
+from scripts.serving_timeline import lags
 from scripts.step_trace_summary import summarize
 
 
@@ -45,3 +46,20 @@ def test_lines_carry_each_steps_tokens_and_times(tmp_path: Path, monkeypatch: py
     assert lines[0]["submitted"] == [9.5] and lines[1]["submitted"] == []
     summary = summarize(lines)
     assert summary["with_prefill"]["n"] == 1 and summary["decode_only"]["tokens"] == 2
+
+
+def test_timeline_splits_the_wait_between_client_main_and_scheduler() -> None:
+    """Three requests sent at 0, 1, 2 s; main submits each 10 ms later; the scheduler's iteration that
+    received the last one ended 0.5 s after its submit (a long step)."""
+    requests = [{"start": 0.0}, {"start": 1.0}, {"start": 2.0}]
+    steps = [
+        {"t": 0.0, "msgs_ms": 20.0, "submitted": [0.01]},
+        {"t": 1.0, "msgs_ms": 20.0, "submitted": [1.01]},
+        {"t": 2.0, "msgs_ms": 510.0, "submitted": [2.01]},
+        {"t": 3.0, "msgs_ms": 0.0, "submitted": []},
+    ]
+    out = lags(requests, steps)
+    assert out["matched"] == 3
+    assert out["client_to_main_ms"]["p50"] == pytest.approx(10.0) and out["client_to_main_ms"]["max"] == pytest.approx(10.0)
+    assert out["main_to_scheduler_ms"]["p50"] == pytest.approx(10.0)
+    assert out["main_to_scheduler_ms"]["max"] == pytest.approx(500.0)
