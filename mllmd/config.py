@@ -47,6 +47,12 @@ class EngineConfig:
         "null: on for CUDA, off on CPU (a CPU step is synchronous: nothing to overlap)",
     )
     chunked_prefill_size: int = _f("scheduler", 2048, "longest prefill chunk of one request per step; 0 disables chunking")
+    prefill_wait_ms: float | None = _f(
+        "scheduler", None,
+        "while requests decode, a new prompt may wait this long for others to share its prefill step (a step "
+        "with a prefill runs without CUDA graphs and slows every running request); it never waits once the "
+        "waiting prompts fill a prefill chunk or the free request slots; null: 20 on CUDA, 0 on CPU",
+    )
     page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
@@ -127,6 +133,7 @@ def validate(cfg: EngineConfig) -> None:
     at_least("max_total_tokens", 2)
     at_least("max_prefill_tokens", 1)
     at_least("chunked_prefill_size", 0)
+    at_least("prefill_wait_ms", 0)
     at_least("cpu_kv_cache_max_tokens", 2)
     at_least("cpu_threads", 1)
     at_least("cuda_graph_max_bs", 1)

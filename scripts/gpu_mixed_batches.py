@@ -28,7 +28,8 @@ def run_one(model: str, kw: dict) -> None:
     from mllmd.config import EngineConfig
     from mllmd.engine.engine import Engine
 
-    engine = Engine(EngineConfig.from_kwargs(model, max_running_requests=64, **kw))
+    # prefill_wait_ms 0: the batches depend on the step count only, so the variants' tokens compare
+    engine = Engine(EngineConfig.from_kwargs(model, max_running_requests=64, prefill_wait_ms=0.0, **kw))
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 150000) for _ in range(256)] for _ in range(160)]
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

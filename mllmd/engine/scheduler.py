@@ -2,13 +2,16 @@
 
 Each step every running request gets work: a decode (one token) or the next chunk of its prefill;
 waiting requests are admitted in arrival order while the step's token budget, the request limit and
-the KV pool allow. When KV runs out, the newest running request is preempted: its computed KV goes
+the KV pool allow. While requests decode, a new prompt may be held for up to `prefill_wait_s` so that
+prompts arriving close together share one prefill step (see _hold_prefill). When KV runs out, the newest running request is preempted: its computed KV goes
 to the prefix cache (or is freed), it returns to the head of the queue, and is recomputed later.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,8 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_tokens: int,
         chunked_prefill_size: int,
+        prefill_wait_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
@@ -57,6 +62,8 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self.prefill_wait_s = prefill_wait_s
+        self.clock = clock
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -64,6 +71,7 @@ class Scheduler:
     # ---- queue -------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
         req.status = ReqStatus.WAITING
+        req.arrival_time = self.clock()
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -168,7 +176,8 @@ class Scheduler:
             i += 1
 
         # Waiting requests, strictly in order, while budget, request slots and KV allow.
-        while self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
+        hold = decodes is not None and reqs is decodes and self._hold_prefill()
+        while not hold and self.waiting and budget > 0 and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             if req.token_ids[-1] == PLACEHOLDER:
                 break  # preempted while its last token is on its way: admit it once that arrives
@@ -215,6 +224,27 @@ class Scheduler:
         where = to_device([rows, cols], torch.int64, table.device)
         table[where[0], where[1]] = out_cache_loc
         return ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
+
+    def _hold_prefill(self) -> bool:
+        """Whether this decode-only step should leave the waiting prompts for a later step.
+
+        A step that carries a prefill runs eagerly (no CUDA graph) and costs every running request a
+        slower step: on an H200 an eager Qwen3-8B step takes about 20 ms of host time however few its
+        tokens, against 6 ms for a 64-request decode graph. Prompts arriving a few ms apart are cheaper
+        in one prefill step than each in its own. So the head of the queue waits while: it arrived less
+        than `prefill_wait_s` ago, was never preempted (a preempted request has waited already), the
+        waiting prompts are shorter than one prefill chunk in total, and there are free request slots
+        for more of them to join.
+        """
+        if self.prefill_wait_s <= 0 or not self.waiting:
+            return False
+        head = self.waiting[0]
+        if head.num_preemptions or self.clock() - head.arrival_time >= self.prefill_wait_s:
+            return False
+        if len(self.waiting) >= self.max_running_requests - len(self.running):
+            return False
+        enough = self.chunk_size or self.max_prefill_tokens
+        return sum(len(r.token_ids) for r in self.waiting) < enough
 
     def _all_decodes(self) -> list[Req] | None:
         """The running requests that decode this step, if all of them either decode or wait for their

@@ -156,3 +156,64 @@ def test_warm_up_leaves_the_engine_as_it_was(llm: LLM) -> None:
     llm.engine.flush_cache()
     assert llm.generate([prompt], GREEDY)[0].token_ids == before
     assert llm.engine.is_idle_and_clean()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine_with_wait(qwen3_tied: Path, wait_ms: float, **kw) -> tuple[LLM, _Clock]:
+    llm = LLM(str(qwen3_tied), dtype="float32", max_total_tokens=4096, prefill_wait_ms=wait_ms, **kw)
+    clock = _Clock()
+    llm.engine.scheduler.clock = clock
+    return llm, clock
+
+
+def _decode_until_running(engine, rid: str) -> None:
+    for _ in range(3):
+        engine.step()
+    assert engine.reqs[rid].status.name == "RUNNING"
+
+
+def test_prefill_wait_holds_a_new_prompt_while_others_decode(qwen3_tied: Path) -> None:
+    """scheduler.prefill_wait_ms: a prompt arriving while requests decode waits (decode-only steps run)
+    until the wait is over; its output is the same as without waiting."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm, clock = _engine_with_wait(qwen3_tied, 20.0)
+    engine = llm.engine
+    engine.add_request("a", _random_ids(30, 1), params)
+    _decode_until_running(engine, "a")
+    engine.add_request("b", _random_ids(25, 2), params)
+    before = engine.scheduler.stats.prefill_tokens_computed
+    for _ in range(3):
+        clock.now += 0.005  # 15 ms in all: still inside the 20 ms wait
+        engine.step()
+    assert engine.reqs["b"].status.name == "WAITING"
+    assert engine.scheduler.stats.prefill_tokens_computed == before
+    clock.now += 0.006
+    tokens_b = [t for o in engine.step() if o.rid == "b" for t in o.new_token_ids]
+    assert engine.scheduler.stats.prefill_tokens_computed == before + 25  # b's prefill ran in this step
+    while engine.has_unfinished():
+        tokens_b += [t for o in engine.step() if o.rid == "b" for t in o.new_token_ids]
+    assert engine.is_idle_and_clean()
+    alone = LLM(str(qwen3_tied), dtype="float32", max_total_tokens=4096)
+    assert tokens_b == alone.generate([_random_ids(25, 2)], params)[0].token_ids
+
+
+@pytest.mark.parametrize("case", ["long_prompt", "no_free_slot", "nothing_decoding", "off"])
+def test_prefill_wait_admits_at_once_when_waiting_cannot_help(qwen3_tied: Path, case: str) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    kw = {"max_running_requests": 2} if case == "no_free_slot" else {}
+    llm, clock = _engine_with_wait(qwen3_tied, 0.0 if case == "off" else 20.0, chunked_prefill_size=64, **kw)
+    engine = llm.engine
+    if case != "nothing_decoding":
+        engine.add_request("a", _random_ids(30, 1), params)
+        _decode_until_running(engine, "a")
+    # long_prompt: 70 waiting tokens fill a 64-token chunk; no_free_slot: the one free slot is taken
+    engine.add_request("b", _random_ids(70 if case == "long_prompt" else 20, 2), params)
+    engine.step()
+    assert engine.reqs["b"].status.name == "RUNNING"
