@@ -18,8 +18,8 @@ Tilings are picked by M, no autotuning (`pick_int8_config`):
 * "skinny" (M <= 64, decode): acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T (the weight fills the
   64-row MMA side, x is padded to 16+ rows);
 * "gemm" (prefill): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle over output
-  tiles; 128x256x128 on GPUs with >= 200 KB of shared memory per block (H100/H200), 128x128x128
-  elsewhere (Orin, A100), with as many pipeline stages as shared memory allows (3 or 4).
+  tiles; 64x128x128 up to 128 rows, 128x128x64 with 4 warps above (the fastest of the sweep on an
+  H200, 80 KB of shared memory for its 5 stages: fits Orin and A100 too).
 "gemv" and "skinny" split K where there are too few tiles for the SMs, with int32 partial sums
 [SPLIT_K, M, N] that `_int8_splitk_epilogue_kernel` adds in a fixed order before the epilogue (exact
 and deterministic: no atomics, no memset).
@@ -174,6 +174,19 @@ def n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _k_step_loads(a_ptrs, b_ptrs, a_mask, b_mask, EVEN_K: tl.constexpr):
+    """One K step of a decode kernel: the activations (cached) and the weight tile (streamed,
+    evict-first); past the end of K (unless EVEN_K) masked to 0, which adds nothing to the sums."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs, eviction_policy="evict_first")
+    else:
+        a = tl.load(a_ptrs, mask=a_mask, other=0)
+        b = tl.load(b_ptrs, mask=b_mask, other=0, eviction_policy="evict_first")
+    return a, b
+
+
+@triton.jit
 def _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS: tl.constexpr):
     """float32 (acc * a_scale[m]) * b_scale[n] (+ bias[n]) for acc [len(offs_m), len(offs_n)]."""
     a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)
@@ -264,13 +277,8 @@ def _int8_skinny_kernel(
     a_ptrs = a_ptr + rows_a[:, None] * stride_am + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for k0 in range(0, k_len, BLOCK_K):
-        if EVEN_K:
-            b = tl.load(b_ptrs, eviction_policy="evict_first")
-            a = tl.load(a_ptrs)
-        else:
-            k_mask = (k0 + offs_k) < k_len
-            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0, eviction_policy="evict_first")
-            a = tl.load(a_ptrs, mask=k_mask[None, :], other=0)
+        k_mask = ((k0 + offs_k) < k_len)[None, :]
+        a, b = _k_step_loads(a_ptrs, b_ptrs, k_mask, k_mask, EVEN_K)
         acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
         b_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
@@ -325,13 +333,8 @@ def _int8_gemv_kernel(
     a_ptrs = a_ptr + k_start + offs_k
     acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.int32)
     for k0 in range(0, k_len, BLOCK_K):
-        if EVEN_K:
-            b = tl.load(b_ptrs, eviction_policy="evict_first")
-            a = tl.load(a_ptrs)
-        else:
-            k_mask = (k0 + offs_k) < k_len
-            b = tl.load(b_ptrs, mask=k_mask[None, :], other=0, eviction_policy="evict_first")
-            a = tl.load(a_ptrs, mask=k_mask, other=0)
+        k_mask = (k0 + offs_k) < k_len
+        a, b = _k_step_loads(a_ptrs, b_ptrs, k_mask, k_mask[None, :], EVEN_K)
         if FUSE_QUANT:
             a = _quant_row(a.to(tl.float32), a_scale)  # masked columns: x = 0 -> q = 0
         prod = b.to(tl.int32) * a.to(tl.int32)[None, :]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +11,7 @@ from starlette.routing import Route
 
 from mllmd.daemon.models import ModelError, find_models
 from mllmd.openai.errors import APIError, bad_request, payload_too_large, unauthorized
+from mllmd.openai.protocol import decode_json
 
 if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
@@ -45,12 +45,7 @@ class AdminApi:
             raise payload_too_large()
         if not raw.strip():
             return {}
-        try:
-            body = json.loads(raw.decode("utf-8-sig"))
-        except UnicodeDecodeError:
-            raise bad_request("the request body must be UTF-8 encoded JSON") from None
-        except ValueError:
-            raise bad_request("the request body is not valid JSON") from None
+        body = decode_json(raw)  # the API's rules: UTF-8, no NaN / Infinity, bounded nesting
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body

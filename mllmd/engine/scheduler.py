@@ -3,8 +3,9 @@
 Each step every running request gets work: a decode (one token) or the next chunk of its prefill;
 waiting requests are admitted in arrival order while the step's token budget, the request limit and
 the KV pool allow. While requests decode, a new prompt may be held for up to `prefill_wait_s` so that
-prompts arriving close together share one prefill step (see _hold_prefill). When KV runs out, the newest running request is preempted: its computed KV goes
-to the prefix cache (or is freed), it returns to the head of the queue, and is recomputed later.
+prompts arriving close together share one prefill step (see _hold_prefill). When KV runs out, the
+newest running request is preempted: its computed KV goes to the prefix cache (or is freed), it
+returns to the head of the queue, and is recomputed later.
 """
 
 from __future__ import annotations

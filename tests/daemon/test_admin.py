@@ -107,6 +107,17 @@ def test_status_models_flush_reload_drain(daemon_ab: DaemonProc) -> None:
 
 
 @pytest.mark.parametrize(
+    ("body", "needle"),
+    [(b"{not json", "valid JSON"), (b'{"model": NaN}', "valid JSON"), ('{"model": "alpha"}'.encode("utf-16"), "UTF-8"),
+     (b"[1, 2]", "JSON object")],
+)
+def test_admin_bodies_follow_the_api_json_rules(daemon_ab: DaemonProc, body: bytes, needle: str) -> None:
+    """Admin bodies are decoded as the OpenAI routes' are: UTF-8 JSON, no NaN; errors are 400s that say so."""
+    r = daemon_ab.uds_http().post("/admin/models/load", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize(
     ("ref", "needle"),
     [("/etc", "outside the allowed models dirs"), ("corrupt", "truncated"), ("odd-arch", "unsupported architecture"),
      ("no-such-model", "no model folder")],
