@@ -89,12 +89,13 @@ fi
 
 if want serve; then
   build Qwen3-8B $M8
-  stamp "8B: one_batch at the serving shape (64 x 256 -> 128)"
+  TAG=${SERVE_TAG:-}  # SERVE_TAG=x names this run's files serving-x.jsonl, steps-x.jsonl ...; SERVE_REF=0 skips one_batch
+  if [ "${SERVE_REF:-1}" = 1 ]; then stamp "8B: one_batch at the serving shape (64 x 256 -> 128)"
   timeout 200 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 64 --input-len 256 --output-len 128 \
-    --run-name qwen3-8b-serving-shape --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
-  stamp "daemon"
-  MLLMD_STEP_TRACE="$OUT/steps.jsonl" python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 \
-    --server.unix_socket "" --scheduler.max_running_requests 64 ${SERVE_FLAGS:-} >"$OUT/daemon.log" 2>&1 &
+    --run-name qwen3-8b-serving-shape --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'; fi
+  stamp "daemon ${SERVE_FLAGS:-}"
+  MLLMD_STEP_TRACE="$OUT/steps$TAG.jsonl" python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 \
+    --server.unix_socket "" --scheduler.max_running_requests 64 ${SERVE_FLAGS:-} >"$OUT/daemon$TAG.log" 2>&1 &
   DPID=$!
   health() { python3 -c "import urllib.request as u; print(u.urlopen('http://127.0.0.1:30000/health', timeout=2).read().decode())" 2>/dev/null; }
   for _ in $(seq 1 180); do health >/dev/null && break; sleep 1; done
@@ -106,11 +107,11 @@ if want serve; then
   fi
   timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --token-ids-prompt --vocab-size 151000 \
     --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
-    --seed 3 --warmup-requests 4 --result-filename "$OUT/serving.jsonl" --save-requests "$OUT/requests.jsonl" 2>&1 | tail -30
+    --seed 3 --warmup-requests 4 --result-filename "$OUT/serving$TAG.jsonl" --save-requests "$OUT/requests$TAG.jsonl" 2>&1 | tail -30
   kill -TERM $DPID; wait $DPID
-  tail -5 "$OUT/daemon.log"
-  python3 scripts/step_trace_summary.py "$OUT/steps.jsonl"
-  python3 scripts/serving_timeline.py "$OUT/requests.jsonl" "$OUT/steps.jsonl"
+  tail -5 "$OUT/daemon$TAG.log"
+  python3 scripts/step_trace_summary.py "$OUT/steps$TAG.jsonl"
+  python3 scripts/serving_timeline.py "$OUT/requests$TAG.jsonl" "$OUT/steps$TAG.jsonl"
   stamp "serve done"
 fi
 

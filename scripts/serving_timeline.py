@@ -24,9 +24,10 @@ def lags(requests: list[dict], steps: list[dict]) -> dict:
     starts = sorted(r["start"] for r in requests)
     received = sorted((sub, row["t"] + row["msgs_ms"] / 1e3) for row in steps for sub in row.get("submitted", []))
     # the scheduler's receipt of a message lies within its iteration's message phase: bound by its end
-    n = min(len(starts), len(received))
-    client_to_main = [(received[i][0] - starts[-n:][i]) * 1e3 for i in range(n)]
-    main_to_sched = [max(0.0, (rcv - sub) * 1e3) for sub, rcv in received[-n:]]
+    n = min(len(starts), len(received))  # warm-up requests reach main before the timed ones: drop them
+    starts, received = starts[-n:], received[-n:]
+    client_to_main = [(received[i][0] - starts[i]) * 1e3 for i in range(n)]
+    main_to_sched = [max(0.0, (rcv - sub) * 1e3) for sub, rcv in received]
     out = {"matched": n}
     for name, vals in (("client_to_main_ms", client_to_main), ("main_to_scheduler_ms", main_to_sched)):
         out[name] = {f"p{int(q * 100)}": round(_pct(vals, q), 2) for q in (0.5, 0.9, 0.99)}

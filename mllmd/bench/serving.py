@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import random
+import resource
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -29,7 +30,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-import httpx
+try:  # aiohttp, not httpx: with 64 streams in flight httpx's pool let new requests out ~15 ms apart
+    import aiohttp
+except ImportError:  # pragma: no cover - the `bench` extra
+    aiohttp = None
 
 from mllmd.bench.serving_datasets import (
     BenchRequest,
@@ -112,12 +116,11 @@ def _error_text(obj: Any) -> str:
     return json.dumps(obj)[:MAX_ERROR_CHARS]
 
 
-async def _sse_data(resp: httpx.Response) -> AsyncIterator[tuple[float, bytes]]:
-    """(arrival time, payload) of each `data:` line of an SSE body. Lines are split here from the raw
-    bytes (cheaper than httpx's aiter_lines, which matters when the client shares the server's cores);
-    blank separators, comments and `event:` lines are skipped."""
+async def _sse_data(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, bytes]]:
+    """(arrival time, payload) of each `data:` line of an SSE body, split here from the raw bytes as
+    they arrive (no line-length limit); blank separators, comments and `event:` lines are skipped."""
     pending = b""
-    async for chunk in resp.aiter_bytes():
+    async for chunk in resp.content.iter_any():
         now = time.perf_counter()
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
@@ -134,21 +137,21 @@ async def _drain(events: AsyncIterator[Any]) -> None:
         pass
 
 
-async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> RequestResult:
+async def send_request(client: BenchClient, path: str, body: dict[str, Any]) -> RequestResult:
     """Send one streaming request and time its chunks; any failure is recorded, never raised."""
     res = RequestResult(start=time.perf_counter())
     last = res.start
     first: float | None = None
     end: float | None = None
     try:
-        async with client.stream("POST", path, json=body) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
+        async with client.session.post(client.url(path), json=body) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode(errors="replace")
                 try:
                     text = _error_text(json.loads(text))
                 except ValueError:
                     pass
-                res.error = f"HTTP {resp.status_code}: {text[:MAX_ERROR_CHARS]}"
+                res.error = f"HTTP {resp.status}: {text[:MAX_ERROR_CHARS]}"
                 return res
             async with contextlib.aclosing(_sse_data(resp)) as events:
                 async for now, data in events:
@@ -178,7 +181,8 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict[str, Any
         if end is None:  # the body ended without [DONE]
             end = time.perf_counter()
     except Exception as e:  # a failed request is a data point, not a crash
-        res.error = f"{type(e).__name__}: {e}"[:MAX_ERROR_CHARS]
+        detail = str(e) or ("timed out" if isinstance(e, asyncio.TimeoutError) else "")
+        res.error = f"{type(e).__name__}: {detail}"[:MAX_ERROR_CHARS]
         return res
     res.latency = end - res.start
     if not res.usage:
@@ -239,31 +243,41 @@ def compute_metrics(
     return metrics
 
 
-def make_client(args: argparse.Namespace) -> httpx.AsyncClient:
-    """An AsyncClient for `--base-url` (over `--unix-socket` when given) with no connection cap."""
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    transport = httpx.AsyncHTTPTransport(uds=args.unix_socket, limits=limits) if args.unix_socket else None
+@dataclass
+class BenchClient:
+    """An aiohttp session and the server root that request paths are joined to."""
+
+    session: Any  # aiohttp.ClientSession
+    base_url: str
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+
+@contextlib.asynccontextmanager
+async def make_client(args: argparse.Namespace) -> AsyncIterator[BenchClient]:
+    """A session for `--base-url` (over `--unix-socket` when given) with no connection cap."""
+    if aiohttp is None:
+        raise RuntimeError("mllmd.bench.serving needs aiohttp: pip install 'mllmd[bench]'")
+    connector = (aiohttp.UnixConnector(path=args.unix_socket, limit=0) if args.unix_socket
+                 else aiohttp.TCPConnector(limit=0))
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = httpx.Timeout(args.request_timeout, connect=min(args.request_timeout or 60.0, 60.0))
-    return httpx.AsyncClient(
-        base_url=args.base_url.rstrip("/"),
-        headers=headers,
-        timeout=timeout,
-        limits=limits,
-        transport=transport,
-    )
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout, connect=min(args.request_timeout or 60.0, 60.0))
+    async with aiohttp.ClientSession(connector=connector, headers=headers, timeout=timeout) as session:
+        yield BenchClient(session, args.base_url.rstrip("/"))
 
 
-async def discover_model(client: httpx.AsyncClient) -> str:
+async def discover_model(client: BenchClient) -> str:
     """The first model id that GET /v1/models lists."""
     try:
-        resp = await client.get("/v1/models")
-        resp.raise_for_status()
-    except httpx.HTTPError as e:
+        async with client.session.get(client.url("/v1/models")) as resp:
+            resp.raise_for_status()
+            listing = await resp.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         raise RuntimeError(
-            f"GET {client.base_url}/v1/models failed ({e}); is the server up? --model skips this"
+            f"GET {client.url('/v1/models')} failed ({type(e).__name__}: {e}); is the server up? --model skips this"
         ) from e
-    data = resp.json().get("data") or []
+    data = (listing.get("data") if isinstance(listing, dict) else None) or []
     if not data:
         raise RuntimeError("GET /v1/models lists no model; pass --model")
     return str(data[0]["id"])
@@ -330,6 +344,7 @@ async def run_benchmark(
 
         gaps = poisson_intervals(len(requests), args.request_rate, random.Random(args.seed))
         tasks: list[asyncio.Task[RequestResult]] = []
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         arrival = 0.0
         for req, gap in zip(requests, gaps):  # the first request goes at once, then Poisson gaps
@@ -340,6 +355,7 @@ async def run_benchmark(
             arrival += gap
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
 
     result: dict[str, Any] = {
         "benchmark": "serving",
@@ -353,6 +369,8 @@ async def run_benchmark(
         "max_concurrency": args.max_concurrency,
     }
     result.update(compute_metrics(requests, results, duration))
+    # the client's own CPU time over the run: near duration_s means the client, not the server, set the pace
+    result["client_cpu_s"] = round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 3)
     result["settings"] = settings(args, model)
     if getattr(args, "save_requests", None):
         save_request_timeline(args.save_requests, results)
@@ -457,7 +475,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     try:
         result = asyncio.run(run_benchmark(args))
-    except (ValueError, RuntimeError, OSError, httpx.HTTPError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         raise SystemExit(f"error: {e}") from e
     line = json.dumps(result)
     print(format_report(result))
