@@ -47,11 +47,12 @@ class EngineConfig:
         "null: on for CUDA, off on CPU (a CPU step is synchronous: nothing to overlap)",
     )
     chunked_prefill_size: int = _f("scheduler", 2048, "longest prefill chunk of one request per step; 0 disables chunking")
-    prefill_wait_ms: float | None = _f(
-        "scheduler", None,
+    prefill_wait_ms: float = _f(
+        "scheduler", 0.0,
         "while requests decode, a new prompt may wait this long for others to share its prefill step (a step "
         "with a prefill runs without CUDA graphs and slows every running request); it never waits once the "
-        "waiting prompts fill a prefill chunk or the free request slots; null: 20 on CUDA, 0 on CPU",
+        "waiting prompts fill a prefill chunk or the free request slots; 0: admit at once (on the H200, 20 ms "
+        "gained nothing measurable with 64 streams)",
     )
     page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")

@@ -21,9 +21,6 @@ from mllmd.engine.scheduler import Scheduler
 from mllmd.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
-# A few decode graph steps of a large batch on a discrete GPU (an H200 runs 64 Qwen3-8B requests in
-# 6 ms a step), against about 20 ms for the eager step a lone prefill would cost all of them.
-DEFAULT_CUDA_PREFILL_WAIT_MS = 20.0
 
 
 @dataclass
@@ -63,7 +60,7 @@ class Engine:
             max_running_requests=config.max_running_requests,
             max_prefill_tokens=config.max_prefill_tokens,
             chunked_prefill_size=config.chunked_prefill_size,
-            prefill_wait_s=self._prefill_wait_ms(config) / 1e3,
+            prefill_wait_s=config.prefill_wait_ms / 1e3,
         )
         self.sampler = Sampler()
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
@@ -73,12 +70,6 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
-
-    def _prefill_wait_ms(self, config: EngineConfig) -> float:
-        """scheduler.prefill_wait_ms, null resolved: 20 ms where steps run as CUDA graphs, else 0."""
-        if config.prefill_wait_ms is not None:
-            return config.prefill_wait_ms
-        return DEFAULT_CUDA_PREFILL_WAIT_MS if self.runner.device.type == "cuda" else 0.0
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
