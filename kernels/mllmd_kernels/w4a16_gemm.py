@@ -43,6 +43,7 @@ No host synchronisation: the launches depend only on shapes (CUDA-graph capturab
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,6 +129,7 @@ def group_block_k(block_k: int, group: int, k: int) -> int:
     return bk
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
 def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: int) -> W4A16Config:
     """Tile sizes for x[m, k] @ W[n, k]^T by M (decode / prefill), fitted to shared memory."""
     if m == 1:
