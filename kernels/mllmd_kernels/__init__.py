@@ -6,7 +6,7 @@ tensors for development.
 """
 
 from mllmd_kernels._triton import HAS_TRITON, interpreting, triton_available, triton_runnable
-from mllmd_kernels.activation import silu_and_mul, silu_and_mul_ref
+from mllmd_kernels.activation import silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
 from mllmd_kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
 from mllmd_kernels.gemv import GemvConfig, gemv, gemv_ref, pick_gemv_config
@@ -68,6 +68,8 @@ __all__ = [
     "rope",
     "rope_ref",
     "silu_and_mul",
+    "silu_and_mul_int8",
+    "silu_and_mul_int8_ref",
     "silu_and_mul_ref",
     "store_cache",
     "store_cache_ref",

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from mllmd_kernels import gemv, rope
+from mllmd_kernels import gemv, rope, silu_and_mul_int8
 from torch import nn
 
 from mllmd.engine.forward_batch import ForwardBatch
@@ -77,7 +77,11 @@ class Qwen3MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.down_proj.takes_int8_input and h.dim() == 2:  # W8A8 on the GPU: activate and quantize at once
+            q, scale = silu_and_mul_int8(h)
+            return self.down_proj.forward_int8(q, scale, h.dtype)
+        return self.down_proj(self.act(h))
 
 
 class Qwen3DecoderLayer(nn.Module):

@@ -1,10 +1,12 @@
-"""silu_and_mul against silu(gate) * up in torch on fresh random inputs."""
+"""silu_and_mul against silu(gate) * up in torch on fresh random inputs; silu_and_mul_int8 against
+int8_quant(silu_and_mul(x)) bit for bit, and against the torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from mllmd_kernels import silu_and_mul, silu_and_mul_ref
+from mllmd_kernels import int8_quant, silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
+from mllmd_kernels.int8_quant import ONE_PASS_MAX_K
 from mllmd_kernels.testing import (
     DTYPES_WITH_FP32,
     close_tol,
@@ -40,3 +42,44 @@ def test_silu_and_mul_strided_input() -> None:
     g = torch.Generator().manual_seed(3)
     x = randn(4, 160, dtype=torch.bfloat16, device=DEVICE, gen=g)[:, :128]  # row stride 160
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **close_tol(torch.bfloat16))
+
+
+INT8_SHAPES = [(1, 64), (7, 200), (3, 2 * 1000)] + ([(1, 24576), (300, 24576), (2048, 24576)] if on_gpu() else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+def test_silu_and_mul_int8_equals_the_two_kernels(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """One launch gives what silu_and_mul then int8_quant give, bit for bit (the model's W8A8 down
+    projection sees the same input either way); every row written, scales of several sizes."""
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    rows = torch.logspace(-2, 1, shape[0]).view(-1, 1)  # rows of different magnitude: different scales
+    x = (randn(*shape, dtype=torch.float32, device="cpu", gen=g, scale=2.0) * rows).to(dtype=dtype, device=DEVICE)
+    q, s = silu_and_mul_int8(x)
+    assert q.shape == (shape[0], shape[1] // 2) and q.dtype == torch.int8
+    assert s.shape == (shape[0], 1) and s.dtype == torch.float32 and not s.isnan().any()
+    q2, s2 = int8_quant(silu_and_mul(x))
+    assert torch.equal(s, s2), "scales differ from int8_quant(silu_and_mul(x))"
+    assert torch.equal(q, q2), f"{int((q != q2).sum())} quantized values differ"
+    q_ref, s_ref = silu_and_mul_int8_ref(x)
+    torch.testing.assert_close(s, s_ref, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=0)
+    assert int((q.int() - q_ref.int()).abs().max()) <= 1 + (dtype != torch.float32) * 2
+
+
+def test_silu_and_mul_int8_strided_zero_and_wide_rows() -> None:
+    """A strided x, an all-zero row (scale float32 eps, q 0), and rows wider than one register pass
+    (the two-kernel fallback)."""
+    x = torch.zeros(3, 2 * 96 + 32)
+    x[1, :96] = torch.linspace(-4, 4, 96)
+    x[1, 96:192] = 1.5
+    x[2] = torch.linspace(-3, 3, x.shape[1])
+    xs = x.to(device=DEVICE, dtype=torch.bfloat16)[:, :192]  # row stride 224
+    q, s = silu_and_mul_int8(xs)
+    assert float(s[0]) == torch.finfo(torch.float32).eps and not q[0].any()
+    q2, s2 = int8_quant(silu_and_mul(xs))
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    d = ONE_PASS_MAX_K + 16
+    wide = torch.randn(2, 2 * d, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    qw, sw = silu_and_mul_int8(wide)
+    qw2, sw2 = int8_quant(silu_and_mul(wide))
+    assert qw.shape == (2, d) and torch.equal(qw, qw2) and torch.equal(sw, sw2)

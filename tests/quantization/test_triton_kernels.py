@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 import torch
-from mllmd_kernels import dequantize_int4_ref, int8_quant_ref, pack_int4_ref, unpack_int4_ref
+from mllmd_kernels import dequantize_int4_ref, int8_quant_ref, pack_int4_ref, silu_and_mul, unpack_int4_ref
 from mllmd_kernels.testing import REL_TOL, close_tol, kernel_device, on_gpu, rel_err, skip_reason
 
-from mllmd.models.layers import Linear, MergedLinear
+from mllmd.models.layers import Linear, MergedLinear, SiluAndMul
 from mllmd.models.quantization import (
     LinearScheme,
     QuantLinearKernel,
@@ -235,3 +235,32 @@ def test_triton_kernel_apply_is_cuda_graph_capturable(variant: str) -> None:
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, layer(x)) and not torch.equal(out, eager)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype) -> None:
+    """With the Triton W8A8 kernel the MLP hands its down projection silu_and_mul_int8's int8 rows
+    (one launch instead of two): the same output, bit for bit, as activating then quantizing in
+    the layer, at decode (one row) and prefill sizes; the reference kernel keeps the plain path."""
+    from mllmd.models.qwen3 import Qwen3MLP
+
+    pytest.importorskip("compressed_tensors")
+    hidden, inter = 96, 160
+    mlp = torch.nn.Module.__new__(Qwen3MLP)
+    torch.nn.Module.__init__(mlp)
+    mlp.gate_up_proj = _prepare(_random_layer(W8A8_CHANNEL, hidden, {"gate": inter, "up": inter}, False, dtype, 1),
+                                TritonW8A8Kernel)
+    mlp.down_proj = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TritonW8A8Kernel)
+    mlp.act = SiluAndMul()
+    assert mlp.down_proj.takes_int8_input
+    g = torch.Generator().manual_seed(4)
+    for t in (1, 5, 70):
+        x = torch.randn(t, hidden, generator=g).to(dtype=dtype, device=DEVICE)
+        with torch.no_grad():
+            fused = mlp(x)
+            plain = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))  # int8_quant inside the layer
+        assert fused.shape == (t, hidden) and fused.dtype == dtype
+        assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
+    ref = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TorchW8A8Kernel)
+    assert not ref.takes_int8_input

@@ -45,6 +45,18 @@ class Linear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return self.quant_method.apply(self, x, self.bias)
 
+    @property
+    def takes_int8_input(self) -> bool:
+        """The layer's kernel accepts per-token int8 activations (W8A8 on the GPU), so the op before
+        it may quantize them in its own launch and call `forward_int8`."""
+        return self.quant_method is not None and self.quant_method.takes_int8_input
+
+    def forward_int8(self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """q int8 [T, K] and its per-token scale float32 [T, 1] -> [T, N] out_dtype."""
+        if self.quant_method is None:
+            raise RuntimeError("forward_int8 on an unquantized layer")
+        return self.quant_method.apply_int8(self, q, scale, out_dtype, self.bias)
+
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         """(first output row, row count) of a checkpoint shard; the whole layer for None."""
         if shard is not None:

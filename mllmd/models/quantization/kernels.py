@@ -52,6 +52,15 @@ class QuantLinearKernel(ABC):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, K] in the compute dtype -> [T, N] in the same dtype."""
 
+    # Kernels that set this take activations the op before them quantized per token (apply_int8).
+    takes_int8_input: bool = False
+
+    def apply_int8(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """q int8 [T, K] with its per-token scale float32 [T, 1] -> [T, N] out_dtype."""
+        raise NotImplementedError(f"{type(self).__name__} takes no int8 activations")
+
 
 class TorchW8A8Kernel(QuantLinearKernel):
     """Reference: per-token int8 activations, int8 x int8 -> int32 (torch._int_mm, or an exact

@@ -51,6 +51,17 @@ class QuantMethod(ABC):
             raise RuntimeError("quantized layer used before its weights were loaded")
         return self.kernel.apply(layer, x, bias)
 
+    @property
+    def takes_int8_input(self) -> bool:
+        return self.kernel is not None and self.kernel.takes_int8_input
+
+    def apply_int8(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError("quantized layer used before its weights were loaded")
+        return self.kernel.apply_int8(layer, q, scale, out_dtype, bias)
+
 
 class W8A8Int8Method(QuantMethod):
     """`weight` int8 [N, K] and `weight_scale` float32 [N, 1] (static, symmetric, per channel)."""

@@ -5,6 +5,8 @@
   per-token and per-channel scales (and bias) in the epilogue (`int8_gemm`); a single row (decode at
   batch 1) takes one integer-gemv launch with the quantization fused in (`w8a8_gemv`, the same
   result bit for bit). The int8 weight [N, K] is used as stored (K-major is what int8 MMA wants).
+  It also takes activations already quantized by the op before it (`apply_int8`: the MLP's
+  `silu_and_mul_int8` feeds the down projection).
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches and a tiled prefill path. The packed weight is used as stored; the scales
   (and zero points) are made column-major once at load (same shape, same bytes), so a K step reads
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from mllmd_kernels import (
     DEQUANT_MIN_ROWS,
+    int8_gemm,
     triton_available,
     w4a16_dequantize,
     w4a16_gemm,
@@ -70,6 +73,13 @@ class TritonW8A8Kernel(QuantLinearKernel):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = w8a8_linear(_rows(x), layer.weight, layer.weight_scale, bias)
         return out.reshape(*x.shape[:-1], layer.weight.shape[0])
+
+    takes_int8_input = True
+
+    def apply_int8(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return int8_gemm(q, layer.weight, scale, layer.weight_scale, out_dtype, bias)
 
 
 class TritonW4A16Kernel(QuantLinearKernel):
