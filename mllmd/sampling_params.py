@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 MAX_TOP_LOGPROBS = 20
 
 
+class InvalidSamplingParam(ValueError):
+    """A sampling parameter out of range; `param` is its name."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     """How one request samples and when it stops.
@@ -46,10 +54,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first invalid field."""
+        """Raise InvalidSamplingParam (a ValueError) naming the first invalid field."""
 
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name}: {why} (got {getattr(self, name)!r})")
+            raise InvalidSamplingParam(f"{name}: {why} (got {getattr(self, name)!r})", name)
 
         def finite(name: str) -> float:
             v = getattr(self, name)

@@ -80,7 +80,7 @@ class Engine:
         try:
             params.validate(info.vocab_size)
         except ValueError as e:
-            raise AdmissionError(str(e)) from None
+            raise AdmissionError(str(e), getattr(e, "param", None)) from None
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
         if any((not isinstance(t, int)) or t < 0 or t >= info.vocab_size for t in prompt_ids):

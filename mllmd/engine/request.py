@@ -21,7 +21,12 @@ class ReqStatus(Enum):
 
 
 class AdmissionError(ValueError):
-    """The request can never be served (too long, bad parameters); maps to HTTP 400."""
+    """The request can never be served (too long, bad parameters); maps to HTTP 400, naming the
+    request field at fault (`param`) where there is one."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(eq=False)

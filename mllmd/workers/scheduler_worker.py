@@ -76,7 +76,7 @@ def handle(msg: dict[str, Any], engine: Any, wctx: WorkerContext, to_detok: zmq.
         try:
             engine.add_request(msg["rid"], msg["input_ids"], msg["params"])
         except AdmissionError as e:
-            wctx.send_main({"type": "error", "rid": msg["rid"], "status": 400, "message": str(e)})
+            wctx.send_main({"type": "error", "rid": msg["rid"], "status": 400, "message": str(e), "param": e.param})
             return
         to_detok.send_pyobj({**msg, "type": "register"})
     elif kind == "abort":
