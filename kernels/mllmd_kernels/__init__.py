@@ -20,7 +20,7 @@ from mllmd_kernels.int8_gemm import (
 )
 from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
 from mllmd_kernels.kv_indices import kv_indices, kv_indices_ref
-from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_int8, rmsnorm_int8_ref, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
 from mllmd_kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
@@ -64,6 +64,8 @@ __all__ = [
     "pick_int8_config",
     "pick_w4a16_config",
     "rmsnorm",
+    "rmsnorm_int8",
+    "rmsnorm_int8_ref",
     "rmsnorm_ref",
     "rope",
     "rope_ref",

@@ -4,6 +4,9 @@ Numerics (as mllmd/models/layers/norm.py): with a residual, s = x + residual rou
 (also returned as the new residual); then xf = float32(s); y = xf * rsqrt(mean(xf^2) + eps),
 rounded to x's dtype, then multiplied by the weight (rounded to the output dtype).
 One program per row; rows are the flattened leading dimensions (so q/k-norm over heads works too).
+
+rmsnorm_int8: the same normed rows quantized per token for a W8A8 projection in the same launch
+(q int8 and scale float32 equal int8_quant(rmsnorm(...)) bit for bit).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from mllmd_kernels._triton import next_pow2, tl, triton
+from mllmd_kernels.int8_quant import _quant_row, int8_quant_ref, int8_scale
 
 
 def rmsnorm_ref(
@@ -36,6 +40,7 @@ def _rmsnorm_kernel(
     w_ptr,  # [H]
     out_ptr,  # [R, H]
     res_out_ptr,  # [R, H] (HAS_RESIDUAL)
+    scale_ptr,  # [R] float32 (QUANT; out_ptr is then the int8 [R, H])
     H,
     stride_x,
     stride_res,
@@ -43,6 +48,7 @@ def _rmsnorm_kernel(
     stride_res_out,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -62,7 +68,13 @@ def _rmsnorm_kernel(
     else:
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:  # the normed row in x's dtype (= the weight's), then per-token int8 as int8_quant does
+        o = (w * y).to(x_ptr.dtype.element_ty).to(tl.float32)  # masked lanes: 0
+        scale = int8_scale(tl.max(tl.abs(o), axis=0))
+        tl.store(out_ptr + row * stride_out + offs, _quant_row(o, scale), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -103,10 +115,57 @@ def rmsnorm(
         r2 = ro2 = x2
     if rows == 0:
         return out if residual is None else (out, residual_out)
+    _launch(x2, r2, weight, o2, ro2, x2, eps, residual is not None, False)
+    return out if residual is None else (out, residual_out)
+
+
+def _launch(
+    x2: torch.Tensor, r2: torch.Tensor, weight: torch.Tensor, o2: torch.Tensor, ro2: torch.Tensor,
+    scale: torch.Tensor, eps: float, has_residual: bool, quant: bool,
+) -> None:
+    """One program per row of x2; with `quant`, o2 is int8 and `scale` [R] float32 is written too."""
+    h = x2.shape[1]
     block = next_pow2(h)
     num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
-    _rmsnorm_kernel[(rows,)](
-        x2, r2, weight, o2, ro2, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_H=block, num_warps=num_warps,
+    _rmsnorm_kernel[(x2.shape[0],)](
+        x2, r2, weight, o2, ro2, scale, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
+        HAS_RESIDUAL=has_residual, QUANT=quant, BLOCK_H=block, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def rmsnorm_int8_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """Torch reference: (q, scale) of int8_quant(norm(x)), or (q, scale, x + residual) with a residual."""
+    normed = rmsnorm_ref(x, weight, eps, residual)
+    if residual is None:
+        return int8_quant_ref(normed.reshape(-1, x.shape[-1]))
+    q, scale = int8_quant_ref(normed[0].reshape(-1, x.shape[-1]))
+    return q, scale, normed[1]
+
+
+def rmsnorm_int8(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H], x's dtype
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H], x's dtype
+) -> tuple[torch.Tensor, ...]:
+    """Triton RMSNorm (+ residual add) whose rows come out quantized per token for a W8A8 layer:
+    (q int8 [T, H], scale float32 [T, 1]), plus x + residual with a residual; equal bit for bit to
+    int8_quant of rmsnorm's output (the normed rows are never written in x's dtype)."""
+    assert x.dim() == 2, "rmsnorm_int8 needs [T, H] rows"
+    assert weight.dtype == x.dtype and (residual is None or residual.dtype == x.dtype), (
+        "rmsnorm_int8 needs x, weight and residual in one dtype"
     )
-    return out if residual is None else (out, residual_out)
+    t, h = x.shape
+    x2 = _rows(x)
+    q = torch.empty((t, h), dtype=torch.int8, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    residual_out = None
+    r2 = ro2 = x2
+    if residual is not None:
+        residual_out = torch.empty_like(x2)
+        r2, ro2 = _rows(residual), residual_out
+    if t:
+        _launch(x2, r2, weight, q, ro2, scale, eps, residual is not None, True)
+    return (q, scale) if residual_out is None else (q, scale, residual_out)

@@ -14,7 +14,7 @@ from mllmd_kernels import gemv, rope, silu_and_mul_int8
 from torch import nn
 
 from mllmd.engine.forward_batch import ForwardBatch
-from mllmd.models.layers import Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
+from mllmd.models.layers import Int8Rows, Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
 from mllmd.models.layers.dispatch import fused_kernels, use_gemv
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 
@@ -46,7 +46,7 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | Int8Rows, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # views into qkv
@@ -76,7 +76,7 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, dtype=dtype, quant=down_scheme)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if self.down_proj.takes_int8_input and h.dim() == 2:  # W8A8 on the GPU: activate and quantize at once
             q, scale = silu_and_mul_int8(h)
@@ -97,14 +97,23 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # W8A8 projections on the GPU take their input quantized by the norm's own launch; one row
+        # (batch-1 decode) keeps w8a8_gemv, which quantizes x inside the gemv (no launch to save there).
+        rows = hidden.shape[0] if hidden.dim() == 2 else 1
+        norm = self.input_layernorm
+        if self.self_attn.qkv_proj.takes_int8_input and rows > 1:
+            norm = norm.forward_int8
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            normed = norm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            normed, residual = norm(hidden, residual)
+        hidden = self.self_attn(positions, normed, batch)
+        norm = self.post_attention_layernorm
+        if self.mlp.gate_up_proj.takes_int8_input and rows > 1:
+            norm = norm.forward_int8
+        normed, residual = norm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class Qwen3Model(nn.Module):

@@ -1,10 +1,11 @@
-"""rmsnorm (+ fused residual add) against the torch module's numerics on fresh random inputs."""
+"""rmsnorm (+ fused residual add) against the torch module's numerics on fresh random inputs;
+rmsnorm_int8 against int8_quant(rmsnorm(...)) bit for bit and against its torch reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from mllmd_kernels import rmsnorm, rmsnorm_ref
+from mllmd_kernels import int8_quant, rmsnorm, rmsnorm_int8, rmsnorm_int8_ref, rmsnorm_ref
 from mllmd_kernels.testing import (
     DTYPES_WITH_FP32,
     close_tol,
@@ -71,3 +72,47 @@ def test_rmsnorm_in_place() -> None:
     rmsnorm(x, w, 1e-6, residual=r, out=x, residual_out=r)
     torch.testing.assert_close(x, exp, **close_tol(torch.bfloat16))
     torch.testing.assert_close(r, exp_res, **close_tol(torch.bfloat16))
+
+
+INT8_SHAPES = [(1, 64), (9, 100), (4, 256)] + ([(1, 4096), (2048, 4096), (300, 5120)] if on_gpu() else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("shape", INT8_SHAPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_int8_equals_rmsnorm_then_int8_quant(shape: tuple[int, int], dtype: torch.dtype, with_residual: bool) -> None:
+    """One launch gives what rmsnorm then int8_quant give, bit for bit (a W8A8 projection sees the same
+    int8 rows either way), and the same new residual; rows of different magnitudes, every row written."""
+    g = torch.Generator().manual_seed(shape[0] * 31 + shape[1] + with_residual)
+    rows = torch.logspace(-2, 2, shape[0]).view(-1, 1)
+    x = (randn(*shape, dtype=torch.float32, device="cpu", gen=g) * rows).to(dtype=dtype, device=DEVICE)
+    w = randn(shape[1], dtype=dtype, device=DEVICE, gen=g, scale=0.1) + 1
+    res = randn(*shape, dtype=dtype, device=DEVICE, gen=g) if with_residual else None
+    got = rmsnorm_int8(x, w, 1e-6, res)
+    plain = rmsnorm(x, w, 1e-6, res)
+    normed = plain[0] if with_residual else plain
+    q2, s2 = int8_quant(normed)
+    q, s = got[0], got[1]
+    assert q.dtype == torch.int8 and q.shape == shape and s.shape == (shape[0], 1) and not s.isnan().any()
+    assert torch.equal(s, s2), "scales differ from int8_quant(rmsnorm(...))"
+    assert torch.equal(q, q2), f"{int((q != q2).sum())} quantized values differ"
+    if with_residual:
+        assert torch.equal(got[2], plain[1]), "the new residual differs"
+    ref = rmsnorm_int8_ref(x, w, 1e-6, res)
+    torch.testing.assert_close(s, ref[1], rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=0)
+    assert int((q.int() - ref[0].int()).abs().max()) <= (1 if dtype == torch.float32 else 3)
+
+
+def test_rmsnorm_int8_strided_and_zero_rows() -> None:
+    x = torch.zeros(3, 80)
+    x[1, :64] = torch.linspace(-2, 2, 64)
+    x[2] = 5.0
+    xs = x.to(device=DEVICE, dtype=torch.bfloat16)[:, :64]  # row stride 80
+    w = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    q, s = rmsnorm_int8(xs, w, 1e-6)
+    assert float(s[0]) == torch.finfo(torch.float32).eps and not q[0].any()
+    q2, s2 = int8_quant(rmsnorm(xs, w, 1e-6))
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+    q3, s3, r3 = rmsnorm_int8(xs, w, 1e-6, xs)  # residual = x: the rows doubled
+    q4, s4 = int8_quant(rmsnorm(xs * 2, w, 1e-6))
+    assert torch.equal(r3, xs * 2) and torch.equal(q3, q4) and torch.equal(s3, s4)

@@ -264,3 +264,60 @@ def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype) -> None
         assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
     ref = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TorchW8A8Kernel)
     assert not ref.takes_int8_input
+
+
+@needs_kernels
+def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny W8A8 Qwen3 on the Triton kernels: a prefill of several rows routes every qkv and gate/up
+    projection through rmsnorm_int8 and every down projection through silu_and_mul_int8, and its logits
+    equal, bit for bit, those of the route that quantizes inside each layer."""
+    pytest.importorskip("compressed_tensors")
+    import mllmd.models.layers.activation as act_mod
+    import mllmd.models.layers.norm as norm_mod
+    import mllmd.models.qwen3 as qwen3_mod
+    from mllmd import LLM, SamplingParams
+
+    from .test_numerics import engine_prefill_logits
+
+    llm = LLM(str(quantized("w8a8")), dtype="bfloat16", device=str(DEVICE), chunked_prefill_size=0,
+              disable_radix_cache=True, max_total_tokens=512)
+    model = llm.engine.runner.model
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is not None]
+    for layer in layers:
+        if not isinstance(layer.quant_method.kernel, TritonW8A8Kernel):  # the CPU picks the references
+            kernel = TritonW8A8Kernel(layer.quant_method.scheme)
+            kernel.process_weights(layer)
+            layer.quant_method.kernel = kernel
+    calls = {"rmsnorm_int8": 0, "silu_and_mul_int8": 0}
+
+    def spy(mod: Any, name: str) -> None:
+        real = getattr(mod, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, name, counted)
+
+    spy(norm_mod, "rmsnorm_int8")
+    spy(qwen3_mod, "silu_and_mul_int8")
+    # the plain route's norms and SiLU on the Triton kernels too (the CPU would take torch's): both
+    # routes then quantize the same values
+    monkeypatch.setattr(norm_mod, "fused_kernels", lambda x: True)
+    monkeypatch.setattr(act_mod, "fused_kernels", lambda x: True)
+    prompts = [[5, 17, 300, 42, 9, 1000, 77], [3, 8, 2]]
+    with torch.no_grad():
+        fused = engine_prefill_logits(llm, prompts)
+    n_layers = len(model.model.layers)
+    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers}, calls
+    for rid in ("p0", "p1"):
+        llm.engine.abort(rid)
+    monkeypatch.setattr(Linear, "takes_int8_input", property(lambda self: False))
+    with torch.no_grad():
+        plain = engine_prefill_logits(llm, prompts)
+    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers}, "the plain route used them"
+    for a, b in zip(fused, plain):
+        assert a.shape == b.shape and torch.equal(a, b), "the fused route changed the logits"
+    monkeypatch.undo()
+    out = llm.generate([[5, 17, 300]], SamplingParams(max_tokens=3, temperature=0.0))
+    assert len(out[0].token_ids) == 3

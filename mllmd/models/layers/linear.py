@@ -7,6 +7,8 @@ chosen per device once the weights are loaded.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import gemv
@@ -14,6 +16,16 @@ from torch import nn
 
 from mllmd.models.layers.dispatch import use_gemv
 from mllmd.models.quantization import LinearScheme, QuantMethod, create_quant_method
+
+
+@dataclass
+class Int8Rows:
+    """Activations already quantized per token for a W8A8 layer (by the norm or activation kernel
+    before it): q int8 [T, K], scale float32 [T, 1], and the dtype the layer's output takes."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
 
 
 class Linear(nn.Module):
@@ -38,7 +50,9 @@ class Linear(nn.Module):
             self.quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
+        if isinstance(x, Int8Rows):
+            return self.forward_int8(x.q, x.scale, x.dtype)
         if self.quant_method is None:
             if self.bias is None and use_gemv(x):
                 return gemv(x, self.weight)  # decode: split-K GEMV reads W near copy bandwidth

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from mllmd_kernels import rmsnorm
+from mllmd_kernels import rmsnorm, rmsnorm_int8
 from torch import nn
 
 from mllmd.models.layers.dispatch import fused_kernels
+from mllmd.models.layers.linear import Int8Rows
 
 
 class RMSNorm(nn.Module):
@@ -31,3 +32,13 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_int8(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> Int8Rows | tuple[Int8Rows, torch.Tensor]:
+        """forward() for a W8A8 layer that comes next: the normed [T, H] rows quantized per token in
+        the same Triton launch (equal to quantizing forward()'s Triton output)."""
+        out = rmsnorm_int8(x, self.weight, self.eps, residual)
+        if residual is None:
+            return Int8Rows(out[0], out[1], x.dtype)
+        return Int8Rows(out[0], out[1], x.dtype), out[2]
