@@ -79,8 +79,7 @@ class Qwen3MLP(nn.Module):
     def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if self.down_proj.takes_int8_input and h.dim() == 2:  # W8A8 on the GPU: activate and quantize at once
-            q, scale = silu_and_mul_int8(h)
-            return self.down_proj.forward_int8(q, scale, h.dtype)
+            return self.down_proj(Int8Rows(*silu_and_mul_int8(h), h.dtype))
         return self.down_proj(self.act(h))
 
 
