@@ -51,8 +51,10 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
-        if isinstance(x, Int8Rows):
-            return self.forward_int8(x.q, x.scale, x.dtype)
+        if isinstance(x, Int8Rows):  # quantized by the op before (only when takes_int8_input)
+            if self.quant_method is None:
+                raise RuntimeError("int8 rows given to an unquantized layer")
+            return self.quant_method.apply_int8(self, x.q, x.scale, x.dtype, self.bias)
         if self.quant_method is None:
             if self.bias is None and use_gemv(x):
                 return gemv(x, self.weight)  # decode: split-K GEMV reads W near copy bandwidth
@@ -62,14 +64,8 @@ class Linear(nn.Module):
     @property
     def takes_int8_input(self) -> bool:
         """The layer's kernel accepts per-token int8 activations (W8A8 on the GPU), so the op before
-        it may quantize them in its own launch and call `forward_int8`."""
+        it may quantize them in its own launch and pass `Int8Rows` to forward()."""
         return self.quant_method is not None and self.quant_method.takes_int8_input
-
-    def forward_int8(self, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """q int8 [T, K] and its per-token scale float32 [T, 1] -> [T, N] out_dtype."""
-        if self.quant_method is None:
-            raise RuntimeError("forward_int8 on an unquantized layer")
-        return self.quant_method.apply_int8(self, q, scale, out_dtype, self.bias)
 
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         """(first output row, row count) of a checkpoint shard; the whole layer for None."""
