@@ -5,6 +5,10 @@ tokens, stored at q[qo_start_b : qo_start_b + extend_len_b]); their K/V were alr
 pool, so every key (prefix and new) is read through req_to_token, with a causal mask on positions.
 Grid (B, Hq, cdiv(max_extend_len, BLOCK_M)); query head h reads KV head h // (Hq / Hkv).
 A decode row is an extend of length 1, so mixed batches work unchanged.
+Per query block, the key blocks that lie wholly before its first query position run without any
+mask (most of a long prompt's work); only the blocks up to its last query are masked. Softmax is in
+base 2 (the scale folded with log2(e)), and the last query blocks, which see the most keys, are
+scheduled first so the short ones fill the tail.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from mllmd_kernels._triton import dot_in_fp32, next_pow2, tl, triton
+
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
 
 
 def extend_attention_ref(
@@ -44,6 +50,46 @@ def extend_attention_ref(
 
 
 @triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, q_pos, lo, hi, k_ptr, v_ptr, slot_ptr, kv_off, stride_ks, stride_vs, offs_d, mask_d,
+    qk_scale, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi) in BLOCK_N steps (scores in log2 units: exp2). CAUSAL masks
+    keys past each query's position and past hi; without it every key in [lo, hi) is visible to
+    every query row (hi a multiple of BLOCK_N past lo), so no mask is computed at all."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if CAUSAL:
+            mask_n = offs_n < hi
+            slots = tl.load(slot_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+        else:
+            slots = tl.load(slot_ptr + offs_n).to(tl.int64)
+            kv_mask = mask_d[None, :]
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        qk = qk * qk_scale
+        if CAUSAL:
+            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: each row's first key block shows it a key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_off + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _extend_attention_kernel(
     q_ptr,  # [T, Hq, D]
     o_ptr,  # [T, Hq, D]
@@ -54,7 +100,7 @@ def _extend_attention_kernel(
     seq_lens_ptr,  # [B]
     extend_lens_ptr,  # [B]
     qo_start_ptr,  # [B] first row of each batch row's queries in q / o
-    scale,
+    qk_scale,  # softmax scale * log2(e)
     D,
     stride_qt,
     stride_qh,
@@ -73,14 +119,14 @@ def _extend_attention_kernel(
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    mb = tl.program_id(2)
+    mb = tl.num_programs(2) - 1 - tl.program_id(2)  # the longest (last) query blocks start first
     ext_len = tl.load(extend_lens_ptr + b).to(tl.int32)
     if mb * BLOCK_M < ext_len:
         seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
         prefix = seq_len - ext_len
         row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
         q_start = tl.load(qo_start_ptr + b).to(tl.int64)
-        kvh = h // GROUP
+        kv_off = (h // GROUP) * stride_kh
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] index within this row's new tokens
         offs_d = tl.arange(0, BLOCK_D)
         mask_m = offs_m < ext_len
@@ -95,30 +141,19 @@ def _extend_attention_kernel(
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)  # keys past the block's last query are masked
-        for n0 in range(0, end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                qk = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                qk = tl.dot(q, tl.trans(k))
-            visible = mask_n[None, :] & (offs_n[None, :] <= q_pos[:, None])
-            qk = tl.where(visible, qk * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: key 0 is visible to every query
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + slots[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        slot_ptr = req_to_token_ptr + row * stride_rt
+        # Keys before the block's first query position are visible to all its rows: whole key
+        # blocks of them go without a mask; the rest (up to the block's last query) are masked.
+        full = (prefix + mb * BLOCK_M) // BLOCK_N * BLOCK_N
+        end = tl.minimum(seq_len, prefix + (mb + 1) * BLOCK_M)
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, 0, full, k_ptr, v_ptr, slot_ptr, kv_off, stride_ks, stride_vs, offs_d,
+            mask_d, qk_scale, BLOCK_N, False, DOT_F32,
+        )
+        acc, l_i, m_i = _attend_keys(
+            acc, l_i, m_i, q, q_pos, full, end, k_ptr, v_ptr, slot_ptr, kv_off, stride_ks, stride_vs, offs_d,
+            mask_d, qk_scale, BLOCK_N, True, DOT_F32,
+        )
         out = acc / l_i[:, None]
         tl.store(
             o_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -161,7 +196,7 @@ def extend_attention(
     block_m = min(block_m, max(16, next_pow2(max_extend_len)))
     grid = (bsz, hq, triton.cdiv(max_extend_len, block_m))
     _extend_attention_kernel[grid](
-        q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens, qo_start, scale, d,
+        q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens, qo_start, scale * LOG2E, d,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
         GROUP=hq // hkv, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,

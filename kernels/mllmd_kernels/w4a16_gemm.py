@@ -34,7 +34,9 @@ Tilings by M (`pick_w4a16_config`, no autotuning):
   dequantized to the activation dtype (x padded to 16+ rows);
 * "gemm" (prefill): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle.
 "gemv" and "skinny" split K until every SM has a few tiles, writing float32 partials
-[SPLIT_K, M, N] that `_splitk_reduce_kernel` adds in a fixed order (deterministic, no atomics).
+[SPLIT_K, M, N] that are added in a fixed split order (deterministic): given the layer's counters
+(`splitk_counters`), by the last program of each output tile to finish (one atomic per program, no
+second launch); otherwise by `_splitk_reduce_kernel`.
 The weight dequantized for the tensor-core paths equals the reference's bit for bit on the GPU
 (the gemv path keeps it in float32, which is slightly more accurate); sums differ by order only.
 
@@ -222,6 +224,38 @@ def _x_planes(x_ptrs, k_left, BW: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _splitk_store(
+    value,  # float32 partial of this program's K split
+    part_ptrs,  # where split 0's partial of these outputs goes ([SPLIT_K, M, N] float32)
+    split_stride,  # M * N
+    mask,
+    y_ptrs,  # the outputs
+    bias_ptrs,  # their biases (HAS_BIAS)
+    lock_ptr,  # this output tile's arrival counter (int32, 0 between launches)
+    SPLIT_K,
+    HAS_BIAS: tl.constexpr,
+    SERIAL: tl.constexpr,
+):
+    """Store this split's partial; with SERIAL, the tile's last program to arrive adds all SPLIT_K
+    partials in split order (deterministic, whichever program is last), writes the output and
+    resets the counter, so no reduce launch follows. The barrier and the acq_rel atomic publish the
+    program's partial before it counts; the winner reads the others' from L2 (.cg)."""
+    pid_k = tl.program_id(1)
+    tl.store(part_ptrs + pid_k * split_stride, value, mask=mask)
+    if SERIAL:
+        tl.debug_barrier()
+        arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            acc = tl.zeros_like(value)
+            for s in range(0, SPLIT_K):  # fixed order
+                acc += tl.load(part_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr, 0)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # [1, K]
     w_ptr,  # [N, KW] int32
@@ -230,9 +264,11 @@ def _w4a16_gemv_kernel(
     bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
     y_ptr,  # [1, N] (not IS_SPLIT)
     part_ptr,  # [SPLIT_K, 1, N] float32 (IS_SPLIT)
+    lock_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters (SERIAL)
     N,
     K,
     KW,  # words per weight row: ceil(K / 8)
+    SPLIT_K,
     stride_wn,
     stride_sn,
     stride_sg,
@@ -245,13 +281,13 @@ def _w4a16_gemv_kernel(
     HAS_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else _splitk_reduce_kernel)
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
     """M == 1: a [BLOCK_N, BLOCK_K / 8] tile of words is 8 nibble planes (plane i: k = 8j + i), each
     multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1."""
     BW: tl.constexpr = BLOCK_K // 8
-    pid_k = tl.program_id(1)
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_w = tl.arange(0, BW)
     w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
@@ -300,7 +336,8 @@ def _w4a16_gemv_kernel(
     if GROUP_STEPS == 0:
         out *= s_row
     if IS_SPLIT:
-        tl.store(part_ptr + pid_k * N + offs_n, out, mask=mask_n)
+        _splitk_store(out, part_ptr + offs_n, N, mask_n, y_ptr + offs_n, bias_ptr + offs_n,
+                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
     else:
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -316,6 +353,7 @@ def _w4a16_decode_kernel(
     bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
     y_ptr,  # [M, N] (not IS_SPLIT)
     part_ptr,  # [SPLIT_K, M, N] float32 (IS_SPLIT)
+    lock_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters (SERIAL)
     M,
     N,
     K,
@@ -329,17 +367,18 @@ def _w4a16_decode_kernel(
     stride_zg,
     stride_ym,
     K_PER_SPLIT,  # multiple of BLOCK_K
+    SPLIT_K,
     BLOCK_M: tl.constexpr,  # >= 16 (tensor cores)
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
+    SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else _splitk_reduce_kernel)
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
     """Skinny (2 <= M <= 64): W_tile @ x_tile^T on tensor cores, one K split per program along axis 1."""
-    pid_k = tl.program_id(1)
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
@@ -369,7 +408,10 @@ def _w4a16_decode_kernel(
         x_ptrs += BLOCK_K
     out_mask = mask_n[:, None] & mask_m[None, :]
     if IS_SPLIT:
-        tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
+        y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+        bias_ptrs = bias_ptr + offs_n[:, None] + 0 * offs_m[None, :]
+        _splitk_store(acc, part_ptr + offs_m[None, :] * N + offs_n[:, None], M * N, out_mask, y_ptrs, bias_ptrs,
+                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -528,6 +570,12 @@ def w4a16_dequantize(
     return out
 
 
+def splitk_counter_len(n: int) -> int:
+    """How many split-K counters a layer of N outputs needs: one per output tile of the narrowest
+    (16-column) tiling any decode config picks."""
+    return triton.cdiv(n, 16)
+
+
 def w4a16_gemm(
     x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
     w_packed: torch.Tensor,  # [N, ceil(K / 8)] int32
@@ -536,8 +584,13 @@ def w4a16_gemm(
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [M, N] x.dtype
     config: W4A16Config | None = None,
+    splitk_counters: torch.Tensor | None = None,  # int32 zeros, >= splitk_counter_len(N) (this layer's own)
 ) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) -> [M, N] in x's dtype, float32 accumulation; int4 unpacked in-kernel."""
+    """y = x @ dequant(W)^T (+ bias) -> [M, N] in x's dtype, float32 accumulation; int4 unpacked in-kernel.
+
+    With `splitk_counters` a split-K launch reduces its own partials (the last program of each tile
+    adds them) instead of launching `_splitk_reduce_kernel`. The counters return to 0 after every
+    launch; two launches must not share them at the same time (one set per layer, one stream)."""
     assert x.dim() == 2 and x.stride(1) == 1 and w_packed.stride(1) == 1, (
         "w4a16_gemm needs K-contiguous x and w_packed"
     )
@@ -579,25 +632,33 @@ def w4a16_gemm(
     split = triton.cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), split)
+    serial = split > 1 and splitk_counters is not None
+    if serial:
+        assert splitk_counters.dtype == torch.int32 and splitk_counters.numel() >= grid[0], (
+            f"{splitk_counters.numel()} split-K counters for {grid[0]} tiles"
+        )
+    locks = splitk_counters if serial else part
     if cfg.mode == "gemv":
         assert m == 1, f"the gemv tiling is for one row, not {m}"
         _w4a16_gemv_kernel[grid](
-            x, w_packed, w_scale, zp, bias_arg, out, part, n, k, kw, w_packed.stride(0), w_scale.stride(0),
-            w_scale.stride(1), *zs, k_per_split,
+            x, w_packed, w_scale, zp, bias_arg, out, part, locks, n, k, kw, split, w_packed.stride(0),
+            w_scale.stride(0), w_scale.stride(1), *zs, k_per_split,
             BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_STEPS=0 if groups == 1 else group // bk, HAS_ZP=has_zp,
-            HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1, EVEN_K=even_k, NUM_STAGES=cfg.num_stages,
+            HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial, EVEN_K=even_k,
+            NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # the kernel counts on FMAs (Triton 3.10 stops fusing by default)
         )  # fmt: skip
     else:
         assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
         _w4a16_decode_kernel[grid](
-            x, w_packed, w_scale, zp, bias_arg, out, part, *common, out.stride(0), k_per_split,
+            x, w_packed, w_scale, zp, bias_arg, out, part, locks, *common, out.stride(0), k_per_split, split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp,
-            HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k,
+            HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial,
+            DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if split > 1:
+    if split > 1 and not serial:
         block = min(1024, next_pow2(n))
         _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
             part, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block

@@ -53,3 +53,25 @@ def test_extend_attention_matches_reference(prefix, extend, hq, hkv, d, dtype) -
     assert not out.isnan().any(), "some outputs were never written"
     ref = extend_attention_ref(q, k_buf.float(), v_buf.float(), table, rows, seq_lens, ext, scale)
     assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("tiles", [(16, 32, 4, 2), (32, 16, 4, 2), (64, 16, 4, 1)], ids=str)
+def test_extend_attention_tilings_agree(tiles) -> None:
+    """Query and key blocks of different sizes split the unmasked and masked key ranges at different
+    places (a block boundary inside a prefix, a query block wider than a key block and narrower):
+    every tiling gives the reference's output."""
+    prefix, extend, hq, hkv, d = [0, 37, 5, 70], [50, 29, 1, 18], 4, 2, 16
+    dtype = torch.float32
+    g = torch.Generator().manual_seed(7)
+    seq = [p + e for p, e in zip(prefix, extend)]
+    k_buf, v_buf, table, rows = make_paged_kv(seq, hkv, d, dtype, DEVICE, g)
+    t = sum(extend)
+    q = randn(t, hq, d, dtype=dtype, device=DEVICE, gen=g)
+    seq_lens = torch.tensor(seq, device=DEVICE)
+    ext = torch.tensor(extend, device=DEVICE)
+    qo_start = torch.cumsum(ext, 0) - ext
+    out = poisoned((t, hq, d), dtype, DEVICE)
+    extend_attention(q, k_buf, v_buf, table, rows, seq_lens, ext, qo_start, max(extend), d**-0.5, out=out, tiles=tiles)
+    assert not out.isnan().any(), "some outputs were never written"
+    ref = extend_attention_ref(q, k_buf, v_buf, table, rows, seq_lens, ext, d**-0.5)
+    assert rel_err(out, ref) < REL_TOL[dtype]

@@ -8,6 +8,7 @@ from mllmd_kernels import (
     W4A16Config,
     dequantize_int4_ref,
     pack_int4_ref,
+    splitk_counter_len,
     w4a16_dequantize,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -144,6 +145,36 @@ def test_w4a16_gemv(
     assert not out.isnan().any(), "some outputs were never written"
     ref = w4a16_gemm_ref(x.float(), packed, scale, zp, b.float() if bias else None)
     assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+SPLIT = [
+    (1, W4A16Config("gemv", 1, 16, 32, 1, 3, 4, 1)),  # the last split partial
+    (1, W4A16Config("gemv", 1, 32, 64, 1, 4, 2, 2)),
+    (5, W4A16Config("skinny", 16, 16, 32, 1, 3, 4, 2)),
+    (13, W4A16Config("skinny", 16, 32, 64, 1, 2, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("m", "cfg"), SPLIT, ids=lambda v: getattr(v, "mode", v))
+def test_w4a16_serial_splitk_equals_reduce_launch(m: int, cfg: W4A16Config, bias: bool) -> None:
+    """With counters, the last program of each tile adds the split-K partials itself: the same bits
+    as the separate reduce launch (same order), every output written, the counters back at 0 so the
+    next call (with other inputs) is right too."""
+    n, k, group = 70, 224, 32
+    g = torch.Generator().manual_seed(m * 100 + cfg.block_n + bias)
+    packed, scale, zp = make_weights(n, k, group, True, g)
+    counters = torch.zeros(splitk_counter_len(n), dtype=torch.int32, device=DEVICE)
+    b = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g) if bias else None
+    for _ in range(2):
+        x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+        out = poisoned((m, n), torch.bfloat16, DEVICE)
+        w4a16_gemm(x, packed, scale, zp, b, out=out, config=cfg, splitk_counters=counters)
+        assert not out.isnan().any(), "some outputs were never written"
+        assert torch.equal(out, w4a16_gemm(x, packed, scale, zp, b, config=cfg))
+        assert not counters.any(), "the counters were not reset"
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp, b.float() if bias else None)
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
 
 
 def test_w4a16_gemm_float32_activations() -> None:

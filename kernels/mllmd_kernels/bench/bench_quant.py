@@ -8,7 +8,8 @@ so L2 holds none of them), TOPS / TFLOPS, GB/s of weight bytes read (int8: N*K, 
 the scales; bf16: 2*N*K), speedup over bf16, and rel_err of one output against the kernel's torch
 reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize + float32 matmul).
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
-alone on int8 activations (compare with "int_mm"), "w4a16", "bf16". `--sweep` also times a list of
+alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced in the launch, with counters as a layer keeps them; `us_reduce_launch`: with the
+separate reduce launch), "bf16". `--sweep` also times a list of
 tilings per case and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
@@ -51,6 +52,7 @@ from mllmd_kernels.w4a16_gemm import (
     DEQUANT_MIN_ROWS,
     W4A16Config,
     pick_w4a16_config,
+    splitk_counter_len,
     w4a16_dequantize,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -191,13 +193,17 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         t = time_calls(lambda i: torch._int_mm(qx[i][0], w8[i % sets8].t()), sets)
         emit(_line("int_mm", name, m, n, k, t, t16, n * k, copy_gbps))
 
-    def gemm4(i: int, c: W4A16Config | None = None) -> torch.Tensor:
-        return w4a16_gemm(xs[i], w4[i % sets4], s4[i % sets4], config=c)
+    counters = torch.zeros(splitk_counter_len(n), dtype=torch.int32, device=DEVICE)  # as a W4A16 layer has
+
+    def gemm4(i: int, c: W4A16Config | None = None, serial: bool = True) -> torch.Tensor:
+        return w4a16_gemm(xs[i], w4[i % sets4], s4[i % sets4], config=c, splitk_counters=counters if serial else None)
 
     cfg4 = pick_w4a16_config(m, n, k, GROUP, sms, smem)
     err = _rel(gemm4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
     t = time_calls(gemm4, sets)
     extra = _sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets) if sweep else {}
+    if cfg4.split_k > 1:  # the same launch with the partials added by a second launch, for comparison
+        extra["us_reduce_launch"] = round(time_calls(lambda i: gemm4(i, serial=False), sets), 2)
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip

@@ -9,7 +9,8 @@
   one row, `rmsnorm_int8` feeds the qkv and gate/up projections, and `silu_and_mul_int8` always
   feeds the down projection.
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
-  path for small batches and a tiled prefill path. The packed weight is used as stored; the scales
+  path for small batches (each layer keeps its own split-K counters, so the last program of a tile
+  adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
   (and zero points) are made column-major once at load (same shape, same bytes), so a K step reads
   the scales of a block of rows contiguously.
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from mllmd_kernels import (
     DEQUANT_MIN_ROWS,
     int8_gemm,
+    splitk_counter_len,
     triton_available,
     w4a16_dequantize,
     w4a16_gemm,
@@ -98,6 +100,10 @@ class TritonW4A16Kernel(QuantLinearKernel):
         layer.weight_scale = _column_major(layer.weight_scale)
         if getattr(layer, "weight_zero_point", None) is not None:
             layer.weight_zero_point = _column_major(layer.weight_zero_point)
+        # This layer's split-K arrival counters (decode): its launches reduce their own partials.
+        n = layer.weight_packed.shape[0]
+        counters = torch.zeros(splitk_counter_len(n), dtype=torch.int32, device=layer.weight_packed.device)
+        layer.register_buffer("splitk_counters", counters, persistent=False)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = _rows(x)
@@ -106,7 +112,9 @@ class TritonW4A16Kernel(QuantLinearKernel):
             w = w4a16_dequantize(layer.weight_packed, layer.weight_scale, zero_point, layer.in_features, x2.dtype)
             out = F.linear(x2, w, bias)
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
-        out = w4a16_gemm(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
+        out = w4a16_gemm(
+            x2, layer.weight_packed, layer.weight_scale, zero_point, bias, splitk_counters=layer.splitk_counters
+        )
         return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
 
 
