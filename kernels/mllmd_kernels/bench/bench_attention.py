@@ -128,7 +128,8 @@ def _extend_case(prefix: int, ext: int, dtype: torch.dtype, copy_gbps: float, sw
             tflops=round(flops / (ours * 1e-6) / 1e12, 1), torch_tflops=round(flops / (base * 1e-6) / 1e12, 1))
     if sweep:
         best = (ours, "default")
-        for tiles in [(128, 64, 8, 2), (64, 32, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)]:
+        for tiles in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 3),
+                      (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)]:
             t = time_calls(lambda i, t_=tiles: ours_fn(i, t_), 1, reps=7)
             emit({"kernel": "extend_sweep", "prefix": prefix, "extend": ext, "tiles": tiles, "us": round(t, 2)})
             if t < best[0]:
