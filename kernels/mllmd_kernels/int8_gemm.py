@@ -75,6 +75,7 @@ def w8a8_linear_ref(
 @dataclass(frozen=True)
 class Int8GemmConfig:
     mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W as the MMA's 64-row side; M <= 64) | "gemm"
+    # | "tma" / "tma_persistent" (sm90+ only, int8_gemm_tma; never picked by default)
     block_m: int
     block_n: int
     block_k: int
@@ -411,6 +412,11 @@ def int8_gemm(
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
     cfg = config or pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a))
+    if cfg.mode in ("tma", "tma_persistent"):  # Hopper TMA tilings (int8_gemm_tma), asked for explicitly
+        from mllmd_kernels.int8_gemm_tma import int8_gemm_tma, tma_supported
+
+        assert tma_supported(a, b) or not a.is_cuda, f"{cfg.mode} needs sm90+ and Triton tensor descriptors"
+        return int8_gemm_tma(a, b, a_scale, b_scale, bias, out, cfg, sm_count_for(a))
     if cfg.mode == "gemm":
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _int8_gemm_kernel[grid](

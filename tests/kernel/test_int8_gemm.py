@@ -119,6 +119,34 @@ def test_int8_gemm_explicit_tilings(cfg: Int8GemmConfig) -> None:
     torch.testing.assert_close(out, ref, **close_tol(torch.bfloat16))
 
 
+TMA_CONFIGS = [
+    Int8GemmConfig("tma", 16, 32, 32, 2, 1, 4, 2),
+    Int8GemmConfig("tma_persistent", 32, 16, 64, 3, 1, 4, 3),
+] + ([Int8GemmConfig("tma", 128, 128, 64, 8, 1, 4, 5), Int8GemmConfig("tma_persistent", 128, 256, 128, 8, 1, 8, 3)]
+     if on_gpu() else [])  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", TMA_CONFIGS, ids=lambda c: f"{c.mode}-m{c.block_m}n{c.block_n}k{c.block_k}")
+def test_int8_gemm_tma_tilings_equal_the_pointer_tiling(cfg: Int8GemmConfig) -> None:
+    """The Hopper TMA tilings (edges zero-filled by the hardware, K off the block, persistent tile
+    walk) give the "gemm" tiling's output bit for bit, and its exact integer sums."""
+    from mllmd_kernels.int8_gemm_tma import tma_supported
+
+    m, n, k = (45, 50, 224) if cfg.block_m < 64 else (300, 1000, 4160)
+    g = torch.Generator().manual_seed(cfg.block_n + cfg.block_m)
+    a, b = _int8(m, k, gen=g), _int8(n, k, gen=g)
+    if on_gpu() and not tma_supported(a, b):
+        pytest.skip("TMA needs sm90+ and Triton tensor descriptors")
+    ones_m, ones_n = torch.ones(m, 1, device=DEVICE), torch.ones(n, 1, device=DEVICE)
+    assert torch.equal(int8_gemm(a, b, ones_m, ones_n, torch.float32, config=cfg), _exact_acc(a, b))
+    a_scale = (torch.rand(m, 1, generator=g) * 0.05).to(DEVICE)
+    b_scale = (torch.rand(n, 1, generator=g) * 1e-3).to(DEVICE)
+    bias = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    pointer = Int8GemmConfig("gemm", cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m, 1, cfg.num_warps, 2)
+    out = int8_gemm(a, b, a_scale, b_scale, torch.bfloat16, bias, config=cfg)
+    assert torch.equal(out, int8_gemm(a, b, a_scale, b_scale, torch.bfloat16, bias, config=pointer))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("m", "n", "k"), [(1, 48, 128), (19, 40, 96)] + ([(2048, 4096, 4096)] if on_gpu() else [])

@@ -1,7 +1,7 @@
 """Quantized GEMMs on the Qwen3-8B projection shapes: W8A8 (int8_quant + int8_gemm) and W4A16 (group
 128) against bf16 F.linear (cuBLAS) and torch._int_mm (cuBLASLt int8, the activations already int8).
 
-    python3 -m mllmd_kernels.bench.bench_quant --out DIR [--m 1 16 64 2048] [--shapes qkv o] [--sweep]
+    python3 -m mllmd_kernels.bench.bench_quant --out DIR [--m 1 16 64 2048] [--shapes qkv o] [--sweep [int8 w4a16]]
 
 One JSON line per (kernel, shape, M): us (median of CUDA-graph replays over rotating weight sets,
 so L2 holds none of them), TOPS / TFLOPS, GB/s of weight bytes read (int8: N*K, int4: N*K/2 plus
@@ -10,7 +10,7 @@ reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize +
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
 alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced in the launch, with counters as a layer keeps them; `us_reduce_launch`: with the
 separate reduce launch), "bf16". `--sweep` also times a list of
-tilings per case and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
+tilings per case (on sm90 the int8 sweep includes the TMA tilings of int8_gemm_tma) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
 
@@ -47,6 +47,7 @@ from mllmd_kernels.int8_gemm import (
     w8a8_linear,
     w8a8_linear_ref,
 )
+from mllmd_kernels.int8_gemm_tma import TMA_MODES, tma_supported
 from mllmd_kernels.int8_quant import int8_quant
 from mllmd_kernels.w4a16_gemm import (
     DEQUANT_MIN_ROWS,
@@ -62,6 +63,7 @@ from mllmd_kernels.w4a16_gemm import (
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = [1, 16, 64, 2048]
 GROUP = 128
+TMA_OK = False  # set in main: the Hopper TMA tilings are swept only where they run
 if SMOKE:
     SHAPES, MS, GROUP = {"qkv": (96, 256), "down": (64, 384)}, [1, 5, 40], 64
 
@@ -106,7 +108,10 @@ def _int8_candidates(m: int, n: int, k: int) -> list[Int8GemmConfig]:
             ):
                 out.append(Int8GemmConfig("skinny", bm, bn, bk, 1, split, warps, stages))
         return out
-    return [Int8GemmConfig("gemm", bm, bn, bk, gm, 1, w, st) for bm, bn, bk, gm, w, st in [
+    tma = [Int8GemmConfig(mode, bm, bn, bk, 8, 1, w, st) for mode in TMA_MODES for bm, bn, bk, w, st in [
+        (128, 128, 64, 4, 5), (128, 256, 64, 8, 4), (128, 256, 128, 8, 3), (256, 128, 64, 8, 4),
+        (128, 128, 128, 4, 4), (128, 128, 128, 8, 4)]] if TMA_OK else []  # fmt: skip
+    return tma + [Int8GemmConfig("gemm", bm, bn, bk, gm, 1, w, st) for bm, bn, bk, gm, w, st in [
         (128, 256, 128, 8, 8, 3), (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 4, 4), (128, 256, 64, 8, 8, 4),
         (256, 128, 128, 8, 8, 3), (128, 128, 64, 8, 4, 5), (64, 128, 128, 8, 4, 4), (64, 256, 128, 8, 4, 3),
         (128, 256, 128, 8, 8, 4), (256, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 5), (128, 128, 256, 8, 8, 3),
@@ -147,7 +152,7 @@ def _sweep(kernel: str, name: str, m: int, default_us: float, default_cfg: Any, 
     return {"best_us": round(best[0], 2), "best_config": best[1].__dict__}
 
 
-def _shape(name: str, ms: list[int], copy_gbps: float, sweep: bool) -> None:
+def _shape(name: str, ms: list[int], copy_gbps: float, sweep: list[str]) -> None:
     """Random weights of each kind for one projection (rotating sets), then every M."""
     n, k = SHAPES[name]
     g = torch.Generator(device=DEVICE).manual_seed(n + k)
@@ -166,7 +171,7 @@ def _shape(name: str, ms: list[int], copy_gbps: float, sweep: bool) -> None:
         guarded(_case, name, m, w, g, copy_gbps, sweep)
 
 
-def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: float, sweep: bool) -> None:
+def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: float, sweep: list[str]) -> None:
     w16, w8, s8, w4, s4 = w["w16"], w["w8"], w["s8"], w["w4"], w["s4"]
     sets16, sets8, sets4 = len(w16), len(w8), len(w4)
     n, k = w16[0].shape
@@ -187,7 +192,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         return int8_gemm(qx[i][0], w8[i % sets8], qx[i][1], s8[i % sets8], bf, config=c)
 
     t = time_calls(gemm8, sets)
-    extra = _sweep("int8_gemm", name, m, t, cfg8, _int8_candidates(m, n, k), gemm8, sets) if sweep else {}
+    extra = _sweep("int8_gemm", name, m, t, cfg8, _int8_candidates(m, n, k), gemm8, sets) if "int8" in sweep else {}
     emit(_line("int8_gemm", name, m, n, k, t, t16, n * k, copy_gbps, config=cfg8.__dict__, **extra))
     if m > 16 and not SMOKE:  # cuBLASLt int8 needs M > 16
         t = time_calls(lambda i: torch._int_mm(qx[i][0], w8[i % sets8].t()), sets)
@@ -201,7 +206,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     cfg4 = pick_w4a16_config(m, n, k, GROUP, sms, smem)
     err = _rel(gemm4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
     t = time_calls(gemm4, sets)
-    extra = _sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets) if sweep else {}
+    extra = _sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets) if "w4a16" in sweep else {}
     if cfg4.split_k > 1:  # the same launch with the partials added by a second launch, for comparison
         extra["us_reduce_launch"] = round(time_calls(lambda i: gemm4(i, serial=False), sets), 2)
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
@@ -222,8 +227,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--m", type=int, nargs="+", default=MS)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--sweep", action="store_true", help="also time a list of tilings per case")
+    p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16"], default=None,
+                   help="also time a list of tilings per case (of these kernels; all when none named)")
     args = p.parse_args(argv)
+    sweep = [] if args.sweep is None else (args.sweep or ["int8", "w4a16"])
+    global TMA_OK
+    if not SMOKE:
+        probe = torch.zeros(16, 16, dtype=torch.int8, device=DEVICE)
+        TMA_OK = tma_supported(probe, probe)
     if not SMOKE and not torch.cuda.is_available():
         raise SystemExit("bench_quant needs CUDA (or MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1)")
     os.makedirs(args.out, exist_ok=True)
@@ -237,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
         emit({"kernel": "env", "device": device, "torch": torch.__version__, "triton": triton.__version__,
               "copy_gbps": round(copy, 1), "sms": num_sms()})  # fmt: skip
         for name in args.shapes:
-            guarded(_shape, name, args.m, copy, args.sweep)
+            guarded(_shape, name, args.m, copy, sweep)
             if not SMOKE:
                 torch.cuda.empty_cache()
             print(f"# {name} done at {time.time() - t0:.0f}s", flush=True)
