@@ -44,7 +44,8 @@ import torch
 from mllmd_kernels._triton import next_pow2, sm_count_for, tl, triton
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
-GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
+GEMV_SCALE_BYTES = 16384
+TMA_MODES = ("tma", "tma_persistent")  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 
 
 def int8_gemm_ref(
@@ -75,7 +76,7 @@ def w8a8_linear_ref(
 @dataclass(frozen=True)
 class Int8GemmConfig:
     mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W as the MMA's 64-row side; M <= 64) | "gemm"
-    # | "tma" / "tma_persistent" (sm90+ only, int8_gemm_tma; never picked by default)
+    # | "tma" / "tma_persistent" (the "gemm" product with TMA loads: sm90+ only, int8_gemm_tma)
     block_m: int
     block_n: int
     block_k: int
@@ -117,8 +118,9 @@ def auto_split(
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
-def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8GemmConfig:
-    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory."""
+def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool = False) -> Int8GemmConfig:
+    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory;
+    `tma`: the operands allow the sm90 TMA tilings (int8_gemm_tma.tma_supported)."""
     if m == 1:
         # 16 weight rows per program (w8a8_gemv quantizes each x slice once per program), 128 bytes of
         # weights per thread and K step; 8 warps on 2048 columns where there are fewer than two tiles
@@ -143,6 +145,13 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8Gem
         # 4 warps and 5 stages was the fastest of 20 tilings on all four, 5-10% ahead of 128x256x128
         # with 8 warps (qkv 89 us, o 61, gate_up 357, down 168); 80 KB of shared memory fits sm87 too.
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
+        if tma:
+            # The same sweep with TMA loads (sm90): 128x128x64 fetched by TMA took qkv 85.9 us and o
+            # 59.1; a persistent 128x256x128 walk (8 warps, 3 stages) gate_up 358.6 and down 162.1,
+            # against 88.2 / 60.0 / 383.8 / 175.4 for the pointer tiling: 5-8% on the large ones.
+            if m >= 1024 and n * k >= 1 << 25:
+                return Int8GemmConfig("tma_persistent", 128, 256, 128, 8, 1, 8, fit_stages(384 * 128, 3, smem))
+            return Int8GemmConfig("tma", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))
     return Int8GemmConfig("gemm", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))
 
 
@@ -411,10 +420,14 @@ def int8_gemm(
         return out
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
-    cfg = config or pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a))
-    if cfg.mode in ("tma", "tma_persistent"):  # Hopper TMA tilings (int8_gemm_tma), asked for explicitly
-        from mllmd_kernels.int8_gemm_tma import int8_gemm_tma, tma_supported
-
+    if m > 128 or (config is not None and config.mode in TMA_MODES):
+        from mllmd_kernels.int8_gemm_tma import int8_gemm_tma, tma_supported  # imports this module
+    if config is None:
+        tma = m > 128 and tma_supported(a, b)
+        cfg = pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a), tma)
+    else:
+        cfg = config
+    if cfg.mode in TMA_MODES:  # sm90: the operand tiles come by TMA (int8_gemm_tma)
         assert tma_supported(a, b) or not a.is_cuda, f"{cfg.mode} needs sm90+ and Triton tensor descriptors"
         return int8_gemm_tma(a, b, a_scale, b_scale, bias, out, cfg, sm_count_for(a))
     if cfg.mode == "gemm":

@@ -20,14 +20,14 @@ import functools
 import torch
 
 from mllmd_kernels._triton import HAS_TRITON, tl, triton
-from mllmd_kernels.int8_gemm import Int8GemmConfig, _int8_epilogue
+from mllmd_kernels.int8_gemm import TMA_MODES, Int8GemmConfig, _int8_epilogue
 
 try:  # Triton >= 3.3 on the host side
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - old Triton (Orin's 3.0), or no Triton
     TensorDescriptor = None
 
-TMA_MODES = ("tma", "tma_persistent")
+__all__ = ["TMA_MODES", "int8_gemm_tma", "tma_supported"]
 
 
 @functools.lru_cache(maxsize=8)
