@@ -90,3 +90,9 @@ def sm_count_for(t: torch.Tensor) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids on the host: plain integer math (newer Triton wraps triton.cdiv
+    as a constexpr function, a few microseconds a call on every launch)."""
+    return -(-a // b)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mllmd_kernels._triton import next_pow2, tl, triton
+from mllmd_kernels._triton import cdiv, next_pow2, tl, triton
 from mllmd_kernels.int8_quant import ONE_PASS_MAX_K, _quant_row, int8_quant, int8_quant_ref, int8_scale
 
 
@@ -111,7 +111,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     if rows == 0:
         return out
     block = min(1024, next_pow2(d))
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+    _silu_and_mul_kernel[(rows, cdiv(d, block))](
         x2, o2, d, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1,
     )
     return out

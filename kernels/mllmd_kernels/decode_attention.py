@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, sm_count_for, tl, triton
 
 
 def decode_attention_ref(
@@ -153,7 +153,7 @@ def _decode_attention_stage2_kernel(
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
     """Splits per sequence so that B * Hkv * splits covers the SMs about twice (shape-only: graph safe)."""
-    want = triton.cdiv(2 * num_sms, max(1, batch_size * num_kv_heads))
+    want = cdiv(2 * num_sms, max(1, batch_size * num_kv_heads))
     return max(1, min(max_splits, next_pow2(want)))
 
 

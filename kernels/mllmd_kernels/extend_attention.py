@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import dot_in_fp32, next_pow2, tl, triton
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, tl, triton
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
 
@@ -194,7 +194,7 @@ def extend_attention(
     if tiles is not None:
         block_m, block_n, num_warps, num_stages = tiles
     block_m = min(block_m, max(16, next_pow2(max_extend_len)))
-    grid = (bsz, hq, triton.cdiv(max_extend_len, block_m))
+    grid = (bsz, hq, cdiv(max_extend_len, block_m))
     _extend_attention_kernel[grid](
         q, out, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, extend_lens, qo_start, scale * LOG2E, d,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

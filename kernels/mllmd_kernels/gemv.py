@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, sm_count_for, tl, triton
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -212,7 +212,7 @@ def pick_gemv_config(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype = 
 
 def with_auto_split(cfg: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig:
     """Split K until there are about two tiles per SM (never below 4 K-blocks per split)."""
-    tiles_n = triton.cdiv(n, cfg.block_n)
+    tiles_n = cdiv(n, cfg.block_n)
     split = 1
     while tiles_n * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * cfg.block_k:
         split *= 2
@@ -238,11 +238,11 @@ def gemv(
     cfg = config or pick_gemv_config(m, n, k, sm_count_for(x), x.dtype)
     assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
     split = cfg.split_k
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_per_split)
     even_k = k % cfg.block_k == 0
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split)
+    grid = (cdiv(n, cfg.block_n), split)
     if cfg.use_dot:
         _skinny_gemm_kernel[grid](
             x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
@@ -257,5 +257,5 @@ def gemv(
         )
     if split > 1:
         block = min(1024, next_pow2(n))
-        _gemv_reduce_kernel[(triton.cdiv(n, block), m)](part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)
+        _gemv_reduce_kernel[(cdiv(n, block), m)](part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)
     return out

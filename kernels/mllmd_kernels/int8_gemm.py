@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import cdiv, next_pow2, sm_count_for, tl, triton
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
 GEMV_SCALE_BYTES = 16384
@@ -76,7 +76,7 @@ def w8a8_linear_ref(
 @dataclass(frozen=True)
 class Int8GemmConfig:
     mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W as the MMA's 64-row side; M <= 64) | "gemm"
-    # | "tma" / "tma_persistent" (the "gemm" product with TMA loads: sm90+ only, int8_gemm_tma)
+    # | "tma" / "tma_persistent" (the "gemm" product with TMA loads: sm90+ only, explicit configs; int8_gemm_tma)
     block_m: int
     block_n: int
     block_k: int
@@ -118,15 +118,14 @@ def auto_split(
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
-def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool = False) -> Int8GemmConfig:
-    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory;
-    `tma`: the operands allow the sm90 TMA tilings (int8_gemm_tma.tma_supported)."""
+def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8GemmConfig:
+    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory."""
     if m == 1:
         # 16 weight rows per program (w8a8_gemv quantizes each x slice once per program), 128 bytes of
         # weights per thread and K step; 8 warps on 2048 columns where there are fewer than two tiles
         # per SM (o, down on an H200), K split only where that still leaves too few programs.
         bn = 16
-        tiles = triton.cdiv(n, bn)
+        tiles = cdiv(n, bn)
         bk, warps = (1024, 4) if tiles >= 2 * num_sms else (2048, 8)
         bk = min(bk, max(16, next_pow2(k)))
         warps = max(1, min(warps, bn * bk // 512))  # >= 16 columns (one 16-byte load) per thread
@@ -136,7 +135,7 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
         bm = max(16, next_pow2(m))
         bn, bk = 64, (256 if bm <= 32 else 128)
         stages = fit_stages((bm + bn) * bk, 4, smem)
-        split = auto_split(triton.cdiv(n, bn), k, bk, num_sms)
+        split = auto_split(cdiv(n, bn), k, bk, num_sms)
         return Int8GemmConfig("skinny", bm, bn, bk, 1, split, 4, stages)
     if m <= 128:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
@@ -145,13 +144,6 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
         # 4 warps and 5 stages was the fastest of 20 tilings on all four, 5-10% ahead of 128x256x128
         # with 8 warps (qkv 89 us, o 61, gate_up 357, down 168); 80 KB of shared memory fits sm87 too.
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
-        if tma:
-            # The same sweep with TMA loads (sm90): 128x128x64 fetched by TMA took qkv 85.9 us and o
-            # 59.1; a persistent 128x256x128 walk (8 warps, 3 stages) gate_up 358.6 and down 162.1,
-            # against 88.2 / 60.0 / 383.8 / 175.4 for the pointer tiling: 5-8% on the large ones.
-            if m >= 1024 and n * k >= 1 << 25:
-                return Int8GemmConfig("tma_persistent", 128, 256, 128, 8, 1, 8, fit_stages(384 * 128, 3, smem))
-            return Int8GemmConfig("tma", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))
     return Int8GemmConfig("gemm", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))
 
 
@@ -420,18 +412,14 @@ def int8_gemm(
         return out
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
-    if m > 128 or (config is not None and config.mode in TMA_MODES):
+    cfg = config or pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a))
+    if cfg.mode in TMA_MODES:  # sm90, asked for explicitly: the operand tiles come by TMA (int8_gemm_tma)
         from mllmd_kernels.int8_gemm_tma import int8_gemm_tma, tma_supported  # imports this module
-    if config is None:
-        tma = m > 128 and tma_supported(a, b)
-        cfg = pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a), tma)
-    else:
-        cfg = config
-    if cfg.mode in TMA_MODES:  # sm90: the operand tiles come by TMA (int8_gemm_tma)
+
         assert tma_supported(a, b) or not a.is_cuda, f"{cfg.mode} needs sm90+ and Triton tensor descriptors"
         return int8_gemm_tma(a, b, a_scale, b_scale, bias, out, cfg, sm_count_for(a))
     if cfg.mode == "gemm":
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
         _int8_gemm_kernel[grid](
             a, b, a_scale, b_scale, bias_arg, out, m, n, k, a.stride(0), b.stride(0), out.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -442,17 +430,17 @@ def int8_gemm(
         assert m == 1, f"gemv tiling for {m} rows"
         return _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False)
     assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.int32, device=a.device) if split > 1 else out
-    _int8_skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _int8_skinny_kernel[(cdiv(n, cfg.block_n), split)](
         a, b, a_scale, b_scale, bias_arg, out, part, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias, IS_SPLIT=split > 1,
         EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
-        _int8_splitk_epilogue_kernel[(triton.cdiv(n, block), m)](
+        _int8_splitk_epilogue_kernel[(cdiv(n, block), m)](
             part, a_scale, b_scale, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
         )
     return out
@@ -472,14 +460,14 @@ def _gemv(
     assert cfg.block_k >= 16 and cfg.split_k >= 1, cfg
     k = a.shape[1]
     n = b.shape[0]
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = cdiv(k, k_per_split)
     part = torch.empty((split, 1, n), dtype=torch.int32, device=a.device) if split > 1 else out
     if a_scale is None:  # fused: the kernel's scale, kept for the split-K epilogue
         a_scale = torch.empty(1, dtype=torch.float32, device=a.device) if split > 1 else b_scale
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
-    _int8_gemv_kernel[(triton.cdiv(n, cfg.block_n), split)](
+    _int8_gemv_kernel[(cdiv(n, cfg.block_n), split)](
         a, b, a_scale, b_scale, bias_arg, out, part, n, k, b.stride(0), k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1,
         EVEN_K=k % cfg.block_k == 0, FUSE_QUANT=fuse_quant,
@@ -488,7 +476,7 @@ def _gemv(
     )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
-        _int8_splitk_epilogue_kernel[(triton.cdiv(n, block), 1)](
+        _int8_splitk_epilogue_kernel[(cdiv(n, block), 1)](
             part, a_scale, b_scale, bias_arg, out, 1, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
         )
     return out
@@ -535,7 +523,7 @@ def w8a8_linear(
             n, k = weight.shape
             sms = sm_count_for(x)
             config = pick_int8_config(1, n, k, sms, max_shared_memory(x))
-            fuse = triton.cdiv(n, config.block_n) >= 2 * sms
+            fuse = cdiv(n, config.block_n) >= 2 * sms
         else:
             fuse = config.mode == "gemv"
         if fuse:

@@ -8,6 +8,14 @@ computes the addresses and zero-fills past the edges, so the warps only issue wg
 output tile per program (GROUP_M swizzle as in int8_gemm); "tma_persistent" launches one program per
 SM that walks the tiles in the same swizzled order.
 
+Not picked by default (only explicit configs and bench_quant's sweep use it). On the H200 it ran the
+Qwen3-8B projections at M = 2,048 5-8% faster than the pointer tiling when replayed from a CUDA graph
+(bench_quant: 672-676 us a layer against 707), but a prefill launches eagerly, and every launch then
+encodes two tensor maps on the host; in the one model run with it picked (W8A8 8B, 2,048 tokens) the
+prefill took 44.1 ms against 36.1 ms in the run before without it (different machines, so not a
+clean A/B, but no sign of a gain). Worth another look where prefill runs from graphs, or with the
+descriptors built once per weight.
+
 Hopper-only, so never the default path on Orin (sm87): `tma_supported` is False below compute
 capability 9.0, on Triton builds without tensor descriptors, and for operands TMA cannot address
 (row strides not a multiple of 16 bytes).
@@ -19,7 +27,7 @@ import functools
 
 import torch
 
-from mllmd_kernels._triton import HAS_TRITON, tl, triton
+from mllmd_kernels._triton import HAS_TRITON, cdiv, tl, triton
 from mllmd_kernels.int8_gemm import TMA_MODES, Int8GemmConfig, _int8_epilogue
 
 try:  # Triton >= 3.3 on the host side
@@ -117,7 +125,7 @@ def int8_gemm_tma(
     n = b.shape[0]
     a_desc = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
     b_desc = TensorDescriptor.from_tensor(b, [cfg.block_n, cfg.block_k])
-    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     persistent = cfg.mode == "tma_persistent"
     kernel = _int8_gemm_tma_persistent_kernel if persistent else _int8_gemm_tma_kernel
     has_bias = bias is not None

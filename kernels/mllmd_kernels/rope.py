@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import next_pow2, tl, triton
+from mllmd_kernels._triton import cdiv, next_pow2, tl, triton
 from mllmd_kernels.rmsnorm import rmsnorm_ref
 
 
@@ -152,7 +152,7 @@ def rope(
     half = d // 2
     block = next_pow2(half)
     block_heads = min(next_pow2(max(hq, hkv)), max(1, 512 // block))
-    grid = (t, triton.cdiv(hq, block_heads) + triton.cdiv(hkv, block_heads))
+    grid = (t, cdiv(hq, block_heads) + cdiv(hkv, block_heads))
     _rope_kernel[grid](
         positions, q, k, q_out, k_out, cos_cache, sin_cache, qw, kw, hq, hkv, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),

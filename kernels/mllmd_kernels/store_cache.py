@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import next_pow2, tl, triton, use_triton
+from mllmd_kernels._triton import cdiv, next_pow2, tl, triton, use_triton
 
 
 def store_cache_ref(
@@ -62,7 +62,7 @@ def store_cache_triton(
     k2, v2 = _flat_rows(k), _flat_rows(v)
     hd = k2.shape[1]
     block = min(4096, next_pow2(hd))
-    _store_cache_kernel[(num_tokens, triton.cdiv(hd, block))](
+    _store_cache_kernel[(num_tokens, cdiv(hd, block))](
         k_cache, v_cache, loc, k2, v2, hd, k_cache.stride(0), v_cache.stride(0), k2.stride(0), v2.stride(0),
         BLOCK=block, num_warps=4 if block >= 512 else 1,
     )

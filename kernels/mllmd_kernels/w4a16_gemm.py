@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, sm_count_for, tl, triton
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
@@ -142,11 +142,11 @@ def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: in
         # against 12.8 / 10.4 / 28.7 / 20.1 us for 128 rows at 4 warps, 3 stages.
         bk = group_block_k(256 if group >= k else 128, group, k)
         bn = max(16, min(512, 8192 // bk, next_pow2(n)))
-        split = auto_split(triton.cdiv(n, bn), k, bk, num_sms, ctas_per_sm=6, min_blocks=2)
+        split = auto_split(cdiv(n, bn), k, bk, num_sms, ctas_per_sm=6, min_blocks=2)
         return W4A16Config("gemv", 1, bn, bk, 1, split, 2, fit_stages(bn * bk // 2, 4, smem))
     if m <= 64:
         bm, bn, bk = max(16, next_pow2(m)), 64, group_block_k(128, group, k)
-        split = auto_split(triton.cdiv(n, bn), k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
+        split = auto_split(cdiv(n, bn), k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
         return W4A16Config("skinny", bm, bn, bk, 1, split, 4, fit_stages(bm * bk * 2 + bn * bk // 2, 4, smem))
     if m <= 128:
         bm, bn, warps = 64, 128, 4
@@ -555,13 +555,13 @@ def w4a16_dequantize(
     """The weight [N, K] in `dtype`, equal to dequantize_int4_ref (float32 math, one rounding)."""
     n, kw = w_packed.shape
     k = in_features
-    assert w_packed.dtype == torch.int32 and w_packed.stride(1) == 1 and kw == triton.cdiv(k, 8)
+    assert w_packed.dtype == torch.int32 and w_packed.stride(1) == 1 and kw == cdiv(k, 8)
     group = k // w_scale.shape[1]
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=w_packed.device)
     bk = group_block_k(64, group, k)
     zp = w_zero_point if w_zero_point is not None else w_scale
-    grid = (triton.cdiv(n, 64), triton.cdiv(k, bk))
+    grid = (cdiv(n, 64), cdiv(k, bk))
     _w4a16_dequant_kernel[grid](
         w_packed, w_scale, zp, out, n, k, kw, group, w_packed.stride(0), w_scale.stride(0), w_scale.stride(1),
         zp.stride(0), zp.stride(1), out.stride(0),
@@ -573,7 +573,7 @@ def w4a16_dequantize(
 def splitk_counter_len(n: int) -> int:
     """How many split-K counters a layer of N outputs needs: one per output tile of the narrowest
     (16-column) tiling any decode config picks."""
-    return triton.cdiv(n, 16)
+    return cdiv(n, 16)
 
 
 def w4a16_gemm(
@@ -596,7 +596,7 @@ def w4a16_gemm(
     )
     m, k = x.shape
     n, kw = w_packed.shape
-    assert w_packed.dtype == torch.int32 and kw == triton.cdiv(k, 8), (
+    assert w_packed.dtype == torch.int32 and kw == cdiv(k, 8), (
         f"w_packed {tuple(w_packed.shape)} for K={k}"
     )
     assert w_scale.dim() == 2 and w_scale.shape[0] == n and w_scale.dtype == torch.float32
@@ -620,7 +620,7 @@ def w4a16_gemm(
     bias_arg = bias if has_bias else w_scale
     common = (m, n, k, kw, group, x.stride(0), w_packed.stride(0), w_scale.stride(0), w_scale.stride(1), *zs)
     if cfg.mode == "gemm":
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n),)
         _w4a16_gemm_kernel[grid](
             x, w_packed, w_scale, zp, bias_arg, out, *common, out.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, HAS_ZP=has_zp,
@@ -628,10 +628,10 @@ def w4a16_gemm(
             num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), bk) * bk
-    split = triton.cdiv(k, k_per_split)
+    k_per_split = cdiv(cdiv(k, cfg.split_k), bk) * bk
+    split = cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, cfg.block_n), split)
+    grid = (cdiv(n, cfg.block_n), split)
     serial = split > 1 and splitk_counters is not None
     if serial:
         assert splitk_counters.dtype == torch.int32 and splitk_counters.numel() >= grid[0], (
@@ -660,7 +660,7 @@ def w4a16_gemm(
         )  # fmt: skip
     if split > 1 and not serial:
         block = min(1024, next_pow2(n))
-        _splitk_reduce_kernel[(triton.cdiv(n, block), m)](
+        _splitk_reduce_kernel[(cdiv(n, block), m)](
             part, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
         )
     return out

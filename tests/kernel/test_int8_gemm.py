@@ -194,16 +194,6 @@ def test_one_row_picks_the_gemv() -> None:
     assert pick_int8_config(2, 6144, 4096, 132, 232448).mode == "skinny"
 
 
-def test_prefill_picks_tma_only_where_it_runs() -> None:
-    """The TMA tilings only when the caller says the operands allow them (sm90), and only for
-    prefill-sized M; the persistent 128x256 walk for the large projections at long prefills."""
-    assert pick_int8_config(2048, 6144, 4096, 132, 232448).mode == "gemm"
-    assert pick_int8_config(2048, 6144, 4096, 132, 232448, tma=True).mode == "tma"
-    big = pick_int8_config(2048, 24576, 4096, 132, 232448, tma=True)
-    assert (big.mode, big.block_n, big.num_warps) == ("tma_persistent", 256, 8)
-    assert pick_int8_config(300, 24576, 4096, 132, 232448, tma=True).mode == "tma"
-    assert pick_int8_config(64, 24576, 4096, 132, 232448, tma=True).mode == "skinny"
-
 
 @pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
 @pytest.mark.parametrize("cfg", GEMV_CONFIGS, ids=_gemv_id)
