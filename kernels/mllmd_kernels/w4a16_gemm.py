@@ -295,16 +295,16 @@ def _w4a16_gemv_kernel(
     x_ptrs = x_ptr + k_start
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
-    if GROUP_STEPS == 0:  # channel-wise: one scale and zero point per row, applied after the loop
+    if GROUP_STEPS == 0:  # channel-wise: one scale per row, applied after the loop
         s_row = tl.load(s_rows)
-        b_row = _biases(z_rows, HAS_ZP)
     # 2**23's bits (0x4B000000) in a register, not a constant the compiler can fold: each nibble then
     # takes one LOP3 ((words & mask) | magic) with the mask as its immediate.
     magic = tl.where(K > 0, 0x4B000000, 0)
     acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
     for k0 in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):  # words prefetched through smem
-        if GROUP_STEPS == 0:
-            b0, b4, b8, b12, b16 = b_row
+        if GROUP_STEPS == 0:  # the row's zero point, an L1 hit after the first step (Triton 3.0, Orin's,
+            # cannot carry a tuple of biases from before the loop into it)
+            b0, b4, b8, b12, b16 = _biases(z_rows, HAS_ZP)
         else:
             g = (k_start + k0) // (BLOCK_K * GROUP_STEPS)
             s = tl.load(s_rows + g * stride_sg)
