@@ -148,19 +148,25 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8Gem
 
 
 @triton.jit
-def swizzled_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's output tile of a GEMM, tiles swizzled in groups of GROUP_M rows of tiles (so the
-    weight tiles of neighbouring programs are shared in L2): offs_m, offs_n, and the row indices as
-    int64 with rows past the end wrapped around (read, never stored)."""
-    pid = tl.program_id(0)
+def swizzled_tile_start(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """First row and column of output tile number `tile` of a GEMM, tiles swizzled in groups of
+    GROUP_M rows of tiles (so the weight tiles of neighbouring programs are shared in L2)."""
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // num_in_group) * GROUP_M
+    first_m = (tile // num_in_group) * GROUP_M
     group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % num_in_group) % group_size_m
-    pid_n = (pid % num_in_group) // group_size_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m = first_m + (tile % num_in_group) % group_size_m
+    pid_n = (tile % num_in_group) // group_size_m
+    return pid_m * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def swizzled_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile (swizzled_tile_start): offs_m, offs_n, and the row indices as
+    int64 with rows past the end wrapped around (read, never stored)."""
+    start_m, start_n = swizzled_tile_start(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
     return offs_m, offs_n, (offs_m % M).to(tl.int64), (offs_n % N).to(tl.int64)
 
 
@@ -187,6 +193,16 @@ def _k_step_loads(a_ptrs, b_ptrs, a_mask, b_mask, EVEN_K: tl.constexpr):
         a = tl.load(a_ptrs, mask=a_mask, other=0)
         b = tl.load(b_ptrs, mask=b_mask, other=0, eviction_policy="evict_first")
     return a, b
+
+
+@triton.jit
+def _store_scaled_tile(acc, offs_m, offs_n, M, N, as_ptr, bs_ptr, bias_ptr, c_ptr, stride_cm, HAS_BIAS: tl.constexpr):
+    """The epilogue of an [len(offs_m), len(offs_n)] output tile, stored in c's dtype (edges masked)."""
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    out = _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -239,11 +255,7 @@ def _int8_gemm_kernel(
         acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    out = _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS)
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_scaled_tile(acc, offs_m, offs_n, M, N, as_ptr, bs_ptr, bias_ptr, c_ptr, stride_cm, HAS_BIAS)
 
 
 @triton.jit

@@ -28,7 +28,7 @@ import functools
 import torch
 
 from mllmd_kernels._triton import HAS_TRITON, cdiv, tl, triton
-from mllmd_kernels.int8_gemm import TMA_MODES, Int8GemmConfig, _int8_epilogue
+from mllmd_kernels.int8_gemm import TMA_MODES, Int8GemmConfig, _store_scaled_tile, swizzled_tile_start
 
 try:  # Triton >= 3.3 on the host side
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -54,18 +54,6 @@ def tma_supported(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _tile_start(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """First row and column of output tile number `tile` in GROUP_M-swizzled order."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (tile // num_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % num_in_group) % group_size_m
-    pid_n = (tile % num_in_group) // group_size_m
-    return pid_m * BLOCK_M, pid_n * BLOCK_N
-
-
-@triton.jit
 def _tma_tile(
     a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, off_m, off_n, M, N, K, stride_cm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -78,11 +66,7 @@ def _tma_tile(
         acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    out = _int8_epilogue(acc, offs_m, offs_n, mask_m, mask_n, as_ptr, bs_ptr, bias_ptr, HAS_BIAS)
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    _store_scaled_tile(acc, offs_m, offs_n, M, N, as_ptr, bs_ptr, bias_ptr, c_ptr, stride_cm, HAS_BIAS)
 
 
 @triton.jit
@@ -91,7 +75,7 @@ def _int8_gemm_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    off_m, off_n = _tile_start(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m, off_n = swizzled_tile_start(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     _tma_tile(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, off_m, off_n, M, N, K, stride_cm,
               BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS)  # fmt: skip
 
@@ -104,7 +88,7 @@ def _int8_gemm_tma_persistent_kernel(
 ):  # fmt: skip
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-        off_m, off_n = _tile_start(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = swizzled_tile_start(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         _tma_tile(a_desc, b_desc, as_ptr, bs_ptr, bias_ptr, c_ptr, off_m, off_n, M, N, K, stride_cm,
                   BLOCK_M, BLOCK_N, BLOCK_K, HAS_BIAS)  # fmt: skip
 

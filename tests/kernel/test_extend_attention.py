@@ -36,10 +36,9 @@ if on_gpu():
     ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
-@pytest.mark.parametrize(("prefix", "extend", "hq", "hkv", "d"), CASES, ids=lambda v: str(v)[:20])
-def test_extend_attention_matches_reference(prefix, extend, hq, hkv, d, dtype) -> None:
-    g = torch.Generator().manual_seed(sum(prefix) * 3 + sum(extend) + d)
+def _check(prefix, extend, hq, hkv, d, dtype, seed, tiles=None) -> None:
+    """extend_attention on fresh random pools (poisoned output) against the fp32 reference."""
+    g = torch.Generator().manual_seed(seed)
     seq = [p + e for p, e in zip(prefix, extend)]
     k_buf, v_buf, table, rows = make_paged_kv(seq, hkv, d, dtype, DEVICE, g)
     t = sum(extend)
@@ -49,10 +48,16 @@ def test_extend_attention_matches_reference(prefix, extend, hq, hkv, d, dtype) -
     qo_start = torch.cumsum(ext, 0) - ext
     scale = d**-0.5
     out = poisoned((t, hq, d), dtype, DEVICE)
-    extend_attention(q, k_buf, v_buf, table, rows, seq_lens, ext, qo_start, max(extend), scale, out=out)
+    extend_attention(q, k_buf, v_buf, table, rows, seq_lens, ext, qo_start, max(extend), scale, out=out, tiles=tiles)
     assert not out.isnan().any(), "some outputs were never written"
     ref = extend_attention_ref(q, k_buf.float(), v_buf.float(), table, rows, seq_lens, ext, scale)
     assert rel_err(out, ref) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize(("prefix", "extend", "hq", "hkv", "d"), CASES, ids=lambda v: str(v)[:20])
+def test_extend_attention_matches_reference(prefix, extend, hq, hkv, d, dtype) -> None:
+    _check(prefix, extend, hq, hkv, d, dtype, sum(prefix) * 3 + sum(extend) + d)
 
 
 @pytest.mark.parametrize("tiles", [(16, 32, 4, 2), (32, 16, 4, 2), (64, 16, 4, 1)], ids=str)
@@ -60,18 +65,4 @@ def test_extend_attention_tilings_agree(tiles) -> None:
     """Query and key blocks of different sizes split the unmasked and masked key ranges at different
     places (a block boundary inside a prefix, a query block wider than a key block and narrower):
     every tiling gives the reference's output."""
-    prefix, extend, hq, hkv, d = [0, 37, 5, 70], [50, 29, 1, 18], 4, 2, 16
-    dtype = torch.float32
-    g = torch.Generator().manual_seed(7)
-    seq = [p + e for p, e in zip(prefix, extend)]
-    k_buf, v_buf, table, rows = make_paged_kv(seq, hkv, d, dtype, DEVICE, g)
-    t = sum(extend)
-    q = randn(t, hq, d, dtype=dtype, device=DEVICE, gen=g)
-    seq_lens = torch.tensor(seq, device=DEVICE)
-    ext = torch.tensor(extend, device=DEVICE)
-    qo_start = torch.cumsum(ext, 0) - ext
-    out = poisoned((t, hq, d), dtype, DEVICE)
-    extend_attention(q, k_buf, v_buf, table, rows, seq_lens, ext, qo_start, max(extend), d**-0.5, out=out, tiles=tiles)
-    assert not out.isnan().any(), "some outputs were never written"
-    ref = extend_attention_ref(q, k_buf, v_buf, table, rows, seq_lens, ext, d**-0.5)
-    assert rel_err(out, ref) < REL_TOL[dtype]
+    _check([0, 37, 5, 70], [50, 29, 1, 18], 4, 2, 16, torch.float32, 7, tiles)
