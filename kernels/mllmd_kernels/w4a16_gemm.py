@@ -261,8 +261,8 @@ def _w4a16_gemv_kernel(
     w_ptr,  # [N, KW] int32
     s_ptr,  # [N, G] float32 (any strides)
     z_ptr,  # [N, G] int8 (HAS_ZP)
-    bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
-    y_ptr,  # [1, N] (not IS_SPLIT)
+    bias_ptr,  # [N] (HAS_BIAS: unsplit, or split with SERIAL)
+    y_ptr,  # [1, N] (unsplit, or split with SERIAL)
     part_ptr,  # [SPLIT_K, 1, N] float32 (IS_SPLIT)
     lock_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters (SERIAL)
     N,
@@ -350,8 +350,8 @@ def _w4a16_decode_kernel(
     w_ptr,  # [N, KW] int32
     s_ptr,  # [N, G] float32 (any strides)
     z_ptr,  # [N, G] int8 (HAS_ZP)
-    bias_ptr,  # [N] (HAS_BIAS, not IS_SPLIT)
-    y_ptr,  # [M, N] (not IS_SPLIT)
+    bias_ptr,  # [N] (HAS_BIAS: unsplit, or split with SERIAL)
+    y_ptr,  # [M, N] (unsplit, or split with SERIAL)
     part_ptr,  # [SPLIT_K, M, N] float32 (IS_SPLIT)
     lock_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters (SERIAL)
     M,

@@ -1,16 +1,18 @@
 """Quantized GEMMs on the Qwen3-8B projection shapes: W8A8 (int8_quant + int8_gemm) and W4A16 (group
 128) against bf16 F.linear (cuBLAS) and torch._int_mm (cuBLASLt int8, the activations already int8).
 
-    python3 -m mllmd_kernels.bench.bench_quant --out DIR [--m 1 16 64 2048] [--shapes qkv o] [--sweep [int8 w4a16]]
+    python3 -m mllmd_kernels.bench.bench_quant --out DIR [--m 1 16 64 2048] [--shapes qkv o]
+        [--sweep [int8 w4a16]]
 
 One JSON line per (kernel, shape, M): us (median of CUDA-graph replays over rotating weight sets,
 so L2 holds none of them), TOPS / TFLOPS, GB/s of weight bytes read (int8: N*K, int4: N*K/2 plus
 the scales; bf16: 2*N*K), speedup over bf16, and rel_err of one output against the kernel's torch
 reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize + float32 matmul).
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
-alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced in the launch, with counters as a layer keeps them; `us_reduce_launch`: with the
-separate reduce launch), "bf16". `--sweep` also times a list of
-tilings per case (on sm90 the int8 sweep includes the TMA tilings of int8_gemm_tma) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
+alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced inside the launch with
+counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate reduce launch),
+"bf16". `--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA
+tilings of int8_gemm_tma) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
 
