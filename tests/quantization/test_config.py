@@ -101,6 +101,32 @@ def test_unsupported_schemes_are_refused_by_name(raw: Any, named: str) -> None:
     assert named in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("qc", "named"),
+    [
+        ([], "must be a JSON object, not list"),
+        ("w4a16", "must be a JSON object, not str"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": ["group_0"]},
+         "config_groups must map group names to objects"),
+        ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": None}},
+         "config_groups must map group names to objects"),
+    ],
+)
+def test_malformed_quantization_configs_are_refused_by_what_is_wrong(qc: Any, named: str) -> None:
+    """A hand-edited config.json gets an UnsupportedQuantization that says what is wrong, not a TypeError."""
+    with pytest.raises(UnsupportedQuantization, match=named):
+        parse_quant_config({"quantization_config": qc})
+
+
+def test_a_single_target_string_is_one_target() -> None:
+    """`targets: "Linear"` (a string where compressed-tensors writes a list) targets the class, not its letters."""
+    raw = ct_config("W4A16", fmt="pack-quantized")
+    raw["quantization_config"]["config_groups"]["group_0"]["targets"] = "Linear"
+    cfg = parse_quant_config(raw)
+    assert cfg is not None and cfg.groups[0].targets == ("Linear",)
+    assert cfg.scheme_for(["model.layers.0.mlp.down_proj"]) is not None
+
+
 def test_static_activation_scales_are_refused(quantized: Any) -> None:
     raw = _config_of(quantized("w8a8"))
     acts = raw["quantization_config"]["config_groups"]["group_0"]["input_activations"]

@@ -118,7 +118,12 @@ def quantization_config_dict(hf_config: Any) -> dict[str, Any] | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
-        raw = raw.to_dict() if hasattr(raw, "to_dict") else vars(raw)
+        if hasattr(raw, "to_dict"):
+            raw = raw.to_dict()
+        elif hasattr(raw, "__dict__"):
+            raw = vars(raw)
+        else:
+            raise UnsupportedQuantization(f"quantization_config must be a JSON object, not {type(raw).__name__}")
     return dict(raw)
 
 
@@ -146,11 +151,14 @@ def parse_quant_config(hf_config: Any) -> QuantConfig | None:
     raw_groups = qc.get("config_groups") or {}
     if not raw_groups:
         raise UnsupportedQuantization("compressed-tensors config has no config_groups")
+    if not isinstance(raw_groups, Mapping) or not all(isinstance(g, Mapping) for g in raw_groups.values()):
+        raise UnsupportedQuantization("compressed-tensors config_groups must map group names to objects")
     groups = []
     for name, group in raw_groups.items():
         fmt = group.get("format") or qc.get("format")
         scheme = _parse_scheme(f"config group {name!r}", fmt, group)
-        targets = tuple(group.get("targets") or ())
+        raw_targets = group.get("targets") or ()
+        targets = (raw_targets,) if isinstance(raw_targets, str) else tuple(raw_targets)  # one name or a list
         if not targets:
             raise UnsupportedQuantization(f"config group {name!r} has no targets")
         groups.append(ConfigGroup(name, targets, scheme))
