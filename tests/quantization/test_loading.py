@@ -104,6 +104,28 @@ def test_tensors_that_do_not_fit_the_config_name_the_tensor(quantized: Any, tmp_
         LLM(str(folder), dtype="float32")
 
 
+@pytest.mark.parametrize(("variant", "tensor"), [("w4a16_g128", "weight_packed"), ("w8a8", "weight")])
+def test_quantized_integers_stored_as_floats_are_refused(quantized: Any, tmp_path: Path, variant: str, tensor: str) -> None:
+    """Packed int4 words or int8 weights saved as floats (a bad conversion script) would be rounded
+    into other numbers when copied into the integer parameters: the load names the tensor instead."""
+    from safetensors.torch import load_file, save_file
+
+    src = quantized(variant)
+    dst = tmp_path / "floats"
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).symlink_to(f)
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        name = f"model.layers.0.mlp.down_proj.{tensor}"
+        if name in tensors:
+            tensors[name] = tensors[name].double()
+        save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"down_proj\.{tensor}.*torch\.float64, expected integers"):
+        LLM(str(dst), dtype="float32")
+
+
 def test_bench_one_batch_runs_and_reports_stored_weight_bytes(quantized: Any, tmp_path: Path) -> None:
     from mllmd.bench import one_batch
 

@@ -90,6 +90,9 @@ class Linear(nn.Module):
                 f"{name} has shape {tuple(loaded.shape)}, expected {(size, *target.shape[1:])}"
                 + (f" for shard {shard!r}" if shard is not None else "")
             )
+        if not target.dtype.is_floating_point and loaded.dtype.is_floating_point:
+            # Packed or quantized integers stored as floats would be rounded into other numbers.
+            raise ValueError(f"{name} is {loaded.dtype}, expected integers ({target.dtype})")
         target.data[offset : offset + size].copy_(loaded)
         return True
 
