@@ -52,7 +52,6 @@ from mllmd_kernels.int8_gemm import (
 from mllmd_kernels.int8_gemm_tma import TMA_MODES, tma_supported
 from mllmd_kernels.int8_quant import int8_quant
 from mllmd_kernels.w4a16_gemm import (
-    DEQUANT_MIN_ROWS,
     W4A16Config,
     pick_w4a16_config,
     splitk_counter_len,
@@ -63,7 +62,7 @@ from mllmd_kernels.w4a16_gemm import (
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-MS = [1, 16, 64, 2048]
+MS = [1, 16, 64, 128, 256, 2048]  # 128 and 256: either side of DEQUANT_MIN_ROWS (W4A16)
 GROUP = 128
 TMA_OK = False  # set in main: the Hopper TMA tilings are swept only where they run
 if SMOKE:
@@ -214,7 +213,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
-    if m >= DEQUANT_MIN_ROWS:  # what TritonW4A16Kernel runs from this many rows on: dequantize + cuBLAS
+    if m > 64:  # dequantize + cuBLAS (what TritonW4A16Kernel runs from DEQUANT_MIN_ROWS rows on), to compare
 
         def dq4(i: int) -> torch.Tensor:
             return torch.nn.functional.linear(xs[i], w4a16_dequantize(w4[i % sets4], s4[i % sets4], None, k, xs[i].dtype))
