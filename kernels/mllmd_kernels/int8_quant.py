@@ -4,7 +4,7 @@ x [M, K] (fp16 / bf16 / fp32) -> q int8 [M, K] and scale float32 [M, 1] with x ~
 compressed-tensors' rounding exactly (mllmd.models.quantization.ops.per_token_quant_int8):
   scale = max|x_row| / 127.5 (a zero scale becomes float32 eps), q = round_half_even(clamp(x / scale,
   -128, 127)).
-The divisions are correctly rounded (`div_rn`: Triton's `/` is an approximate division on NVIDIA) and
+The divisions are correctly rounded (Triton's `/` is an approximate division on NVIDIA; see `_quant_row`) and
 the rounding is to nearest even (adding and subtracting 1.5 * 2**23, exact for |v| <= 2**22), so the
 kernel's q and scale equal the reference bit for bit. One program per row; a row of up to
 `ONE_PASS_MAX_K` elements is held in registers, longer rows are read twice.
@@ -36,7 +36,20 @@ def int8_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _quant_row(x, scale):
-    v = tl.math.div_rn(x, scale)
+    """round_half_even(clamp(x / scale, -128, 127)) as int8, x / scale correctly rounded.
+
+    The quotient is q0 = x * r with r = 1 / scale correctly rounded, then corrected by one fma
+    residual: q = q0 + (x - q0 * scale) * r (two fmas), which is the correctly rounded quotient
+    (Markstein) as long as the residual does not underflow, i.e. for |x| above about 2**-100 (a
+    smaller x gives a quotient far below 0.5: q = 0 either way). Rows whose scale is below 2**-90
+    take div_rn itself (one branch per row). Three float operations an element instead of div.rn's
+    subroutine: on the H200 silu_and_mul_int8 at 2,048 x 12,288 went from 68.9 to 49.2 us."""
+    if scale < 8.077935669463161e-28:  # 2**-90
+        v = tl.math.div_rn(x, scale)
+    else:
+        r = tl.math.div_rn(1.0, scale)
+        q0 = x * r
+        v = tl.fma(tl.fma(-q0, scale, x), r, q0)
     v = tl.minimum(tl.maximum(v, -128.0), 127.0)
     v = (v + 12582912.0) - 12582912.0  # _ROUND_MAGIC: round half to even
     return v.to(tl.int8)

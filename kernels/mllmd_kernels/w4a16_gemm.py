@@ -103,8 +103,10 @@ def w4a16_gemm_ref(
 
 # From this many rows on, dequantizing W once and calling cuBLAS beats the fused "gemm" tiling: on an
 # H200 the fused kernel ran the Qwen3-8B projections at M = 2,048 in 1.9-2.3x cuBLAS's bf16 time,
-# while dequantizing is one pass over the weights (N*K/2 bytes read, N*K*2 written).
-DEQUANT_MIN_ROWS = 256
+# while dequantizing is one pass over the weights (N*K/2 bytes read, N*K*2 written). At M = 128 the
+# four projections took 355 us a layer fused against 291 us dequantized (qkv 50.6 / 37.9, o 51.9 /
+# 26.2, gate_up 105 / 150, down 147 / 77: bench_quant --m 128 256); at 256, 477 against 316.
+DEQUANT_MIN_ROWS = 128
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mllmd_kernels import int8_quant, silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
+from mllmd_kernels import (
+    int8_quant,
+    int8_quant_ref,
+    silu_and_mul,
+    silu_and_mul_int8,
+    silu_and_mul_int8_ref,
+    silu_and_mul_ref,
+)
 from mllmd_kernels.int8_quant import ONE_PASS_MAX_K
 from mllmd_kernels.testing import (
     DTYPES_WITH_FP32,
@@ -61,6 +68,8 @@ def test_silu_and_mul_int8_equals_the_two_kernels(shape: tuple[int, int], dtype:
     q2, s2 = int8_quant(silu_and_mul(x))
     assert torch.equal(s, s2), "scales differ from int8_quant(silu_and_mul(x))"
     assert torch.equal(q, q2), f"{int((q != q2).sum())} quantized values differ"
+    q3, s3 = int8_quant_ref(silu_and_mul(x))  # the quantization itself as torch divides
+    assert torch.equal(s, s3) and torch.equal(q, q3), "the quantization differs from torch's"
     q_ref, s_ref = silu_and_mul_int8_ref(x)
     torch.testing.assert_close(s, s_ref, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=0)
     assert int((q.int() - q_ref.int()).abs().max()) <= 1 + (dtype != torch.float32) * 2

@@ -178,12 +178,16 @@ GEMV_CONFIGS = [
     Int8GemmConfig("gemv", 1, 16, 32, 1, 3, 4, 1),  # split-K 3: 96 + 96 + 40 columns
     Int8GemmConfig("gemv", 1, 32, 64, 1, 2, 8, 1),  # split-K 2, a partial second split
     Int8GemmConfig("gemv", 1, 8, 256, 1, 1, 2, 1),  # one K step wider than K
+    # dp4a: the bytes as int32 words (the interpreter sums the same bytes by shifts)
+    Int8GemmConfig("gemv", 1, 16, 64, 1, 3, 4, 1, dp4a=True),  # split 128 + 104 columns, masked words
+    Int8GemmConfig("gemv", 1, 32, 64, 1, 1, 4, 1, dp4a=True),
+    Int8GemmConfig("gemv", 1, 8, 256, 1, 1, 2, 1, dp4a=True),
 ]
 GEMV_N, GEMV_K = 50, 232
 
 
 def _gemv_id(c: Int8GemmConfig) -> str:
-    return f"n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}"
+    return f"n{c.block_n}k{c.block_k}s{c.split_k}w{c.num_warps}" + "-dp4a" * c.dp4a
 
 
 def test_one_row_picks_the_gemv() -> None:
@@ -257,6 +261,6 @@ def test_w8a8_gemv_fused_quant_edge_rows(monkeypatch: pytest.MonkeyPatch, scale_
         for dtype in (torch.bfloat16, torch.float32):
             xd = x.to(dtype=dtype, device=DEVICE)
             q, s = int8_quant(xd)
-            for cfg in (GEMV_CONFIGS[0], GEMV_CONFIGS[1]):
+            for cfg in (GEMV_CONFIGS[0], GEMV_CONFIGS[1], GEMV_CONFIGS[5]):
                 ref = int8_gemm(q, w, s, w_scale, dtype, config=cfg)
                 assert torch.equal(w8a8_gemv(xd, w, w_scale, config=cfg), ref)

@@ -54,6 +54,22 @@ def test_int8_quant_edge_rows_and_two_pass(dtype: torch.dtype) -> None:
     _check(xs, block_k=32)  # 3 blocks per row, the last one partial
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_quant_rows_of_every_magnitude(dtype: torch.dtype) -> None:
+    """The quotient x / scale comes from a reciprocal and an fma correction (rows with a scale below
+    2**-90 divide instead): equal to torch's correctly rounded division for rows from 1e-39 to 1e30
+    in size (1e-39: a scale whose reciprocal overflows; float32 only, as Triton's interpreter widens
+    bfloat16 subnormals wrongly), both sides of the switch included, values at exact ties among them."""
+    g = torch.Generator().manual_seed(11)
+    mags = torch.tensor([1e-37, 1e-33, 1e-29, 2e-26, 1e-24, 1e-20, 1e-9, 1.0, 3e3, 1e12, 1e30])
+    if dtype == torch.float32:
+        mags = torch.cat([torch.tensor([1e-39]), mags])
+    x = randn(len(mags), 1000, dtype=torch.float32, device="cpu", gen=g) * mags.view(-1, 1)
+    x[:, 0] = 127.5 * mags  # a row's max: scale = mags exactly where that rounds, ties below
+    x[:, 1:9] = torch.tensor([0.5, 1.5, 2.5, -3.5, 126.5, -0.5, 64.5, -127.5]) * mags.view(-1, 1)
+    _check(x.to(dtype=dtype, device=DEVICE))
+
+
 def test_int8_quant_ties_round_to_even() -> None:
     x = torch.tensor([[127.5, 0.5, 1.5, 2.5, -3.5, -127.5, -0.5, 126.5]], device=DEVICE)
     q, s = int8_quant(x)

@@ -1,11 +1,11 @@
 """Elementwise / row kernels vs their eager torch references: rmsnorm (+residual), rope + QK-norm,
-silu_and_mul, store_cache (Qwen3-8B widths)."""
+silu_and_mul (and silu_and_mul_int8 against silu + quantization in torch), store_cache (Qwen3-8B widths)."""
 
 from __future__ import annotations
 
 import torch
 
-from mllmd_kernels.activation import silu_and_mul, silu_and_mul_ref
+from mllmd_kernels.activation import silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
 from mllmd_kernels.bench.common import DEVICE, SMOKE, emit, guarded, num_sets, row, time_calls
 from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
@@ -59,6 +59,10 @@ def _silu_case(t: int, dtype: torch.dtype, copy_gbps: float) -> None:
     ours = time_calls(lambda i: silu_and_mul(xs[i], out=outs[i]), sets)
     ref = time_calls(lambda i: silu_and_mul_ref(xs[i]), sets)
     emit(row("silu_and_mul", f"T={t} I={INTER}", dtype, ours, ref, nbytes, copy_gbps))
+    nbytes = t * INTER * (2 * 2 + 1) + 4 * t  # bf16 gate and up in, int8 and a scale out
+    ours = time_calls(lambda i: silu_and_mul_int8(xs[i]), sets)
+    ref = time_calls(lambda i: silu_and_mul_int8_ref(xs[i]), sets)
+    emit(row("silu_and_mul_int8", f"T={t} I={INTER}", dtype, ours, ref, nbytes, copy_gbps))
 
 
 def _store_cache_case(t: int, dtype: torch.dtype, copy_gbps: float, kc: torch.Tensor, vc: torch.Tensor) -> None:

@@ -46,6 +46,7 @@ from mllmd_kernels.int8_gemm import (
     int8_gemm,
     max_shared_memory,
     pick_int8_config,
+    w8a8_gemv,
     w8a8_linear,
     w8a8_linear_ref,
 )
@@ -101,7 +102,8 @@ def _int8_candidates(m: int, n: int, k: int) -> list[Int8GemmConfig]:
                                           (32, 1024, 8, 1), (16, 1024, 4, 3)]:  # fmt: skip
                 tiles = -(-n // bn)
                 splits = {1, auto_split(tiles, k, bk, sms, 2, 2), auto_split(tiles, k, bk, sms, 4, 2)}
-                out += [Int8GemmConfig("gemv", 1, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
+                out += [Int8GemmConfig("gemv", 1, bn, bk, 1, s, warps, stages, dp4a=d)
+                        for s in sorted(splits) for d in (False, True)]  # fmt: skip
         for bn, bk, warps, stages in [(64, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4), (128, 128, 4, 3),
                                       (128, 256, 8, 3), (64, 512, 4, 3), (32, 512, 4, 3)]:  # fmt: skip
             for split in sorted(
@@ -187,7 +189,14 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     cfg8 = pick_int8_config(m, n, k, sms, smem)
     err = _rel(w8a8_linear(xs[0], w8[0], s8[0]), w8a8_linear_ref(xs[0], w8[0], s8[0]))
     t = time_calls(lambda i: w8a8_linear(xs[i], w8[i % sets8], s8[i % sets8]), sets)
-    emit(_line("w8a8", name, m, n, k, t, t16, n * k, copy_gbps, rel_err=err, config=cfg8.__dict__))
+    extra = {}
+    if m == 1 and "int8" in sweep:  # the fused one-row launch (what w8a8_linear runs for qkv, gate_up)
+
+        def fused(i: int, c: Int8GemmConfig | None = None) -> torch.Tensor:
+            return w8a8_gemv(xs[i], w8[i % sets8], s8[i % sets8], config=c)
+
+        extra = _sweep("w8a8_gemv", name, m, time_calls(fused, sets), cfg8, [c for c in _int8_candidates(1, n, k) if c.mode == "gemv"], fused, sets)
+    emit(_line("w8a8", name, m, n, k, t, t16, n * k, copy_gbps, rel_err=err, config=cfg8.__dict__, **extra))
 
     def gemm8(i: int, c: Int8GemmConfig | None = None) -> torch.Tensor:
         return int8_gemm(qx[i][0], w8[i % sets8], qx[i][1], s8[i % sets8], bf, config=c)
