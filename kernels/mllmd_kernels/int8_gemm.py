@@ -25,9 +25,10 @@ Tilings are picked by M, no autotuning (`pick_int8_config`):
 "gemv" and "skinny" split K where there are too few tiles for the SMs, with int32 partial sums
 [SPLIT_K, M, N] that `_int8_splitk_epilogue_kernel` adds in a fixed order before the epilogue (exact
 and deterministic: no atomics, no memset).
-Nothing Hopper-only is requested (no TMA, no warp specialisation); Triton lowers tl.dot to wgmma
-on sm90 and to mma.sync on sm80/sm87 by itself, and the gemv is plain loads and integer arithmetic
-(dp4a exists since sm61).
+Nothing Hopper-only is on the default path of other GPUs (no TMA, no warp specialisation); Triton
+lowers tl.dot to wgmma on sm90 and to mma.sync on sm80/sm87 by itself, and the gemv is plain loads
+and integer arithmetic (dp4a exists since sm61). On sm90, prefills of TMA_MIN_ROWS rows and more
+fetch their tiles by TMA instead (int8_gemm_tma), chosen by capability (`tma_supported`).
 
 `w8a8_gemv` (what `w8a8_linear` runs for one row) fuses the per-token quantization into the gemv:
 every program takes max|x| over the whole row (at most a few tens of KB, L2-resident) and quantizes
@@ -40,7 +41,6 @@ No host synchronisation: the launches depend only on shapes (CUDA-graph capturab
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +48,12 @@ import torch
 from mllmd_kernels._triton import cdiv, interpreting, next_pow2, sm_count_for, tl, triton
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
-# An experiment switch, not a setting: MLLMD_INT8_TMA=1 gives the prefill tiling ("gemm", > 128 rows)
-# TMA loads where the hardware has them (int8_gemm_tma), to compare the two in one model run.
-PREFER_TMA = os.environ.get("MLLMD_INT8_TMA", "") == "1"
+# From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads
+# (int8_gemm_tma, "tma" 128x128x64): on the H200 the W8A8 Qwen3-8B 2,048-token prefill took 34.8 ms
+# against 35.9 ms with the pointer tiling in the same run (bench_quant: 676 against 713 us a layer).
+# Not below: each TMA launch costs about 20 us more host time (two tensor maps encoded: 54.5 against
+# 34.6 us a launch), which a shorter prefill, bound by the host, would pay in full.
+TMA_MIN_ROWS = 1024
 GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 TMA_MODES = ("tma", "tma_persistent")
 
@@ -83,7 +86,8 @@ def w8a8_linear_ref(
 @dataclass(frozen=True)
 class Int8GemmConfig:
     mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W as the MMA's 64-row side; M <= 64) | "gemm"
-    # | "tma" / "tma_persistent" (the "gemm" product with TMA loads: sm90+ only, explicit configs; int8_gemm_tma)
+    # | "tma" / "tma_persistent" (the "gemm" product with TMA loads: sm90+ only, int8_gemm_tma; "tma" is
+    # picked from TMA_MIN_ROWS rows where tma_supported)
     block_m: int
     block_n: int
     block_k: int
@@ -126,8 +130,9 @@ def auto_split(
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
-def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8GemmConfig:
-    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory."""
+def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool = False) -> Int8GemmConfig:
+    """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory;
+    `tma`: the operands can be fetched by TMA (`tma_supported`), taken from TMA_MIN_ROWS rows on."""
     if m == 1:
         # 16 weight rows per program (w8a8_gemv quantizes each x slice once per program), 128 bytes of
         # weights per thread and K step; 8 warps on 2048 columns where there are fewer than two tiles
@@ -146,6 +151,8 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int) -> Int8Gem
         stages = fit_stages((bm + bn) * bk, 4, smem)
         split = auto_split(cdiv(n, bn), k, bk, num_sms)
         return Int8GemmConfig("skinny", bm, bn, bk, 1, split, 4, stages)
+    if tma and m >= TMA_MIN_ROWS:
+        return Int8GemmConfig("tma", 128, 128, 64, 8, 1, 4, fit_stages((128 + 128) * 64, 5, smem))
     if m <= 128:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
     else:
@@ -476,13 +483,15 @@ def int8_gemm(
         return out
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
-    cfg = config or pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a))
-    if PREFER_TMA and config is None and cfg.mode == "gemm" and m > 128:
-        from mllmd_kernels.int8_gemm_tma import tma_supported  # imports this module
+    if config is None:
+        tma = False
+        if m >= TMA_MIN_ROWS and a.is_cuda:
+            from mllmd_kernels.int8_gemm_tma import tma_supported  # imports this module
 
-        if tma_supported(a, b):
-            cfg = Int8GemmConfig("tma", 128, 128, 64, 8, 1, 4, 5)
-    if cfg.mode in TMA_MODES:  # sm90, asked for explicitly: the operand tiles come by TMA (int8_gemm_tma)
+            tma = tma_supported(a, b)
+        config = pick_int8_config(m, n, k, sm_count_for(a), max_shared_memory(a), tma)
+    cfg = config
+    if cfg.mode in TMA_MODES:  # sm90: the operand tiles come by TMA (int8_gemm_tma)
         from mllmd_kernels.int8_gemm_tma import int8_gemm_tma, tma_supported  # imports this module
 
         assert tma_supported(a, b) or not a.is_cuda, f"{cfg.mode} needs sm90+ and Triton tensor descriptors"

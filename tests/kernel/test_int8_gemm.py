@@ -198,6 +198,18 @@ def test_one_row_picks_the_gemv() -> None:
     assert pick_int8_config(2, 6144, 4096, 132, 232448).mode == "skinny"
 
 
+def test_long_prefills_pick_tma_only_where_it_runs() -> None:
+    """From TMA_MIN_ROWS rows the prefill tiling is the TMA one when the operands allow it (sm90),
+    the pointer tiling otherwise and below (Orin, A100, shorter prefills bound by the host)."""
+    from mllmd_kernels.int8_gemm import TMA_MIN_ROWS
+
+    for n, k in [(6144, 4096), (4096, 12288)]:
+        assert pick_int8_config(TMA_MIN_ROWS, n, k, 132, 232448, tma=True).mode == "tma"
+        assert pick_int8_config(4096, n, k, 132, 232448, tma=False).mode == "gemm"
+        assert pick_int8_config(TMA_MIN_ROWS - 1, n, k, 132, 232448, tma=True).mode == "gemm"
+        assert pick_int8_config(1, n, k, 132, 232448, tma=True).mode == "gemv"
+
+
 
 @pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
 @pytest.mark.parametrize("cfg", GEMV_CONFIGS, ids=_gemv_id)

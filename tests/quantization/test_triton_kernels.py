@@ -239,11 +239,19 @@ def test_triton_kernel_apply_is_cuda_graph_capturable(variant: str) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype) -> None:
+def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """With the Triton W8A8 kernel the MLP hands its down projection silu_and_mul_int8's int8 rows
-    (one launch instead of two): the same output, bit for bit, as activating then quantizing in
-    the layer, at decode (one row) and prefill sizes; the reference kernel keeps the plain path."""
+    (one launch instead of two) for several rows, and for one row the activation in the data type
+    (the one-row gemv quantizes it): the same output, bit for bit, as activating then quantizing in
+    the layer either way; the reference kernel keeps the plain path."""
+    import mllmd.models.layers.activation as act_mod
+    import mllmd.models.qwen3 as qwen3_mod
     from mllmd.models.qwen3 import Qwen3MLP
+
+    monkeypatch.setattr(act_mod, "fused_kernels", lambda x: True)  # Triton's SiLU on the CPU too
+    calls = []
+    real = qwen3_mod.silu_and_mul_int8
+    monkeypatch.setattr(qwen3_mod, "silu_and_mul_int8", lambda h: calls.append(h.shape[0]) or real(h))
 
     pytest.importorskip("compressed_tensors")
     hidden, inter = 96, 160
@@ -262,6 +270,7 @@ def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype) -> None
             plain = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))  # int8_quant inside the layer
         assert fused.shape == (t, hidden) and fused.dtype == dtype
         assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
+    assert calls == [5, 70], calls
     ref = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TorchW8A8Kernel)
     assert not ref.takes_int8_input
 

@@ -5,9 +5,9 @@
   per-token and per-channel scales (and bias) in the epilogue (`int8_gemm`); a single row (decode at
   batch 1) takes one integer-gemv launch with the quantization fused in (`w8a8_gemv`, the same
   result bit for bit). The int8 weight [N, K] is used as stored (K-major is what int8 MMA wants).
-  It also takes activations already quantized by the op before it (`apply_int8`): with more than
-  one row, `rmsnorm_int8` feeds the qkv and gate/up projections, and `silu_and_mul_int8` always
-  feeds the down projection.
+  It also takes activations already quantized by the op before it (`apply_int8`): in Qwen3
+  `rmsnorm_int8` feeds the qkv and gate/up projections and `silu_and_mul_int8` the down projection
+  (so only o takes the fused one-row gemv at batch 1).
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches (each layer keeps its own split-K counters, so the last program of a tile
   adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
