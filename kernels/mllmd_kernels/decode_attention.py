@@ -7,8 +7,7 @@ Two stages (split-KV, as in SGLang/vLLM Triton decode):
   all of its GROUP = Hq / Hkv query heads (padded to BLOCK_H >= 16 rows for tl.dot), walks one
   split of the sequence with an online softmax and writes a normalised partial output and its
   log-sum-exp;
-* `_decode_attention_stage2_kernel`, grid (B, Hq): merges the splits. Given arrival counters, the
-  last stage-1 program of each (row, KV head) merges instead, in the same launch.
+* `_decode_attention_stage2_kernel`, grid (B, Hq): merges the splits.
 
 The split length is computed on the device from seq_lens (rounded up to BLOCK_N), so NUM_SPLITS is
 the only launch parameter and the launch is CUDA-graph friendly; empty splits are skipped.
@@ -54,8 +53,6 @@ def _decode_attention_stage1_kernel(
     seq_lens_ptr,  # [B]
     mid_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
     mid_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
-    out_ptr,  # [B, Hq, D] (MERGE)
-    lock_ptr,  # [B, Hkv] int32 arrival counters, 0 between launches (MERGE)
     scale,
     D,
     stride_qb,
@@ -65,16 +62,12 @@ def _decode_attention_stage1_kernel(
     stride_vs,
     stride_vh,
     stride_rt,
-    stride_ob,
-    stride_oh,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
-    MERGE: tl.constexpr,  # the last split program of each (row, KV head) to finish merges the splits
-    SPLITS_P2: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -124,42 +117,6 @@ def _decode_attention_stage1_kernel(
         base = (b.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [BLOCK_H]
         tl.store(mid_o_ptr + base[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=mask_g[:, None] & mask_d[None, :])
         tl.store(mid_lse_ptr + base, m_i + tl.log(l_i), mask=mask_g)
-    if MERGE:  # every program arrives, empty splits included; the last one merges (no second launch)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr + b * tl.num_programs(1) + kvh, 1, sem="acq_rel")
-        if arrived == NUM_SPLITS - 1:
-            _merge_splits(mid_o_ptr, mid_lse_ptr, out_ptr, b, kvh * GROUP + tl.arange(0, BLOCK_H),
-                          tl.arange(0, BLOCK_H) < GROUP, seq_len, split_len, D, stride_ob, stride_oh,
-                          GROUP * tl.num_programs(1), NUM_SPLITS, SPLITS_P2, BLOCK_H, BLOCK_D)  # fmt: skip
-            tl.atomic_xchg(lock_ptr + b * tl.num_programs(1) + kvh, 0)
-
-
-@triton.jit
-def _merge_splits(
-    mid_o_ptr, mid_lse_ptr, out_ptr, b, heads, mask_h, seq_len, split_len, D, stride_ob, stride_oh, HQ,
-    NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """out[b, heads] from the non-empty splits' normalised partials and log-sum-exps (read from L2:
-    other programs wrote them): weights exp(lse - max lse), a padded row (seq_len 0) gives zeros."""
-    offs_s = tl.arange(0, SPLITS_P2)
-    offs_d = tl.arange(0, BLOCK_D)
-    valid = (offs_s < NUM_SPLITS) & (offs_s * split_len < seq_len)  # [SPLITS_P2]
-    rows = (b.to(tl.int64) * HQ + heads) * NUM_SPLITS  # [BLOCK_H] first split of each head
-    lse = tl.load(mid_lse_ptr + rows[:, None] + offs_s[None, :], mask=mask_h[:, None] & valid[None, :],
-                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-    m = tl.max(lse, axis=1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.where(valid[None, :], tl.exp(lse - m[:, None]), 0.0)  # [BLOCK_H, SPLITS_P2]
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    for s in range(0, NUM_SPLITS):
-        w_s = tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), axis=1)  # [BLOCK_H] (0 for empty splits)
-        if s * split_len < seq_len:
-            o = tl.load(mid_o_ptr + (rows + s)[:, None] * D + offs_d[None, :],
-                        mask=mask_h[:, None] & (offs_d < D)[None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
-            acc += o * w_s[:, None]
-    denom = tl.maximum(tl.sum(w, axis=1), 1e-30)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-             (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & (offs_d < D)[None, :])  # fmt: skip
 
 
 @triton.jit
@@ -212,18 +169,11 @@ def decode_attention(
     num_splits: int | None = None,
     mid_o: torch.Tensor | None = None,  # [B, Hq, num_splits, D] fp32 workspace (reused across layers)
     mid_lse: torch.Tensor | None = None,  # [B, Hq, num_splits] fp32
-    counters: torch.Tensor | None = None,  # [>= B * Hkv] int32 zeros: merge the splits in the same launch
     block_n: int | None = None,  # tiling overrides (benchmarks)
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """Paged GQA decode attention in Triton; no host synchronisation.
-
-    With `counters` (zeros; they are zero again after the launch, so one set serves every layer of
-    a step on one stream) the last split program of each (row, KV head) merges the splits, and the
-    stage-2 launch is skipped; without, `_decode_attention_stage2_kernel` merges them. The attention
-    backend does not pass counters yet: the one-launch path has interpreter tests only and waits for
-    a GPU run (tests, then bench_attention's decode cases) before it becomes the default."""
+    """Paged GQA decode attention in Triton; no host synchronisation."""
     bsz, hq, d = q.shape
     hkv = k_buffer.shape[1]
     assert hq % hkv == 0 and q.stride(2) == 1 and k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1
@@ -246,19 +196,13 @@ def decode_attention(
             block_n = 128 if num_splits >= 4 else 64
     block_h = max(16, next_pow2(group))
     dot_f32 = dot_in_fp32(q.dtype)
-    merge = counters is not None
-    if merge:
-        assert counters.dtype == torch.int32 and counters.numel() >= bsz * hkv, "need B * Hkv int32 counters"
     _decode_attention_stage1_kernel[(bsz, hkv, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
-        counters if merge else mid_lse, scale, d,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, scale, d,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), out.stride(0), out.stride(1),
+        req_to_token.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
-        MERGE=merge, SPLITS_P2=max(2, next_pow2(num_splits)), num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
-    if merge:
-        return out
     _decode_attention_stage2_kernel[(bsz, hq)](
         mid_o, mid_lse, seq_lens, out, d, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_P2=max(2, next_pow2(num_splits)), BLOCK_N=block_n, BLOCK_D=block_d,

@@ -41,6 +41,7 @@ No host synchronisation: the launches depend only on shapes (CUDA-graph capturab
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +54,8 @@ from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row
 # against 35.9 ms with the pointer tiling in the same run (bench_quant: 676 against 713 us a layer).
 # Not below: each TMA launch costs about 20 us more host time (two tensor maps encoded: 54.5 against
 # 34.6 us a launch), which a shorter prefill, bound by the host, would pay in full.
-TMA_MIN_ROWS = 1024
+# MLLMD_INT8_TMA_MIN_ROWS overrides it (a diagnostic: a large value turns the TMA tiling off).
+TMA_MIN_ROWS = int(os.environ.get("MLLMD_INT8_TMA_MIN_ROWS", "1024"))
 GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 TMA_MODES = ("tma", "tma_persistent")
 

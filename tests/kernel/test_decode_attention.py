@@ -53,30 +53,6 @@ def test_decode_attention_matches_reference(seq_lens, hq, hkv, d, splits, dtype)
     assert rel_err(out, ref) < REL_TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
-@pytest.mark.parametrize(("seq_lens", "hq", "hkv", "d", "splits"), CASES, ids=lambda v: str(v)[:20])
-def test_decode_attention_merged_in_one_launch(seq_lens, hq, hkv, d, splits, dtype) -> None:
-    """With counters the last split program merges: the reference's output (empty splits and one
-    split included), the two-launch path's within rounding, and the counters back at 0 for the
-    next layer, whose output is right too."""
-    g = torch.Generator().manual_seed(sum(seq_lens) + hq * 5 + d)
-    k_buf, v_buf, table, rows = make_paged_kv(seq_lens, hkv, d, dtype, DEVICE, g)
-    bsz = len(seq_lens)
-    lens = torch.tensor(seq_lens, device=DEVICE)
-    scale = d**-0.5
-    counters = torch.zeros(bsz * hkv, dtype=torch.int32, device=DEVICE)
-    for _ in range(2):  # two "layers" sharing the counters
-        q = randn(bsz, hq, d, dtype=dtype, device=DEVICE, gen=g)
-        out = poisoned((bsz, hq, d), dtype, DEVICE)
-        decode_attention(q, k_buf, v_buf, table, rows, lens, scale, out=out, num_splits=splits, counters=counters)
-        assert not out.isnan().any(), "some outputs were never written"
-        assert not counters.any(), "the counters were not reset"
-        ref = decode_attention_ref(q, k_buf.float(), v_buf.float(), table, rows, lens, scale)
-        assert rel_err(out, ref) < REL_TOL[dtype]
-        two = decode_attention(q, k_buf, v_buf, table, rows, lens, scale, num_splits=splits)
-        torch.testing.assert_close(out.float(), two.float(), rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
-
-
 def test_decode_attention_padded_rows_give_zeros() -> None:
     """A padded batch row (seq_len 0, request slot 0) writes zeros, never NaN (CUDA-graph padding)."""
     g = torch.Generator().manual_seed(11)
@@ -86,10 +62,5 @@ def test_decode_attention_padded_rows_give_zeros() -> None:
     q = randn(3, 4, 16, dtype=torch.float16, device=DEVICE, gen=g)
     out = decode_attention(q, k_buf, v_buf, table, rows, lens, 0.25, out=poisoned((3, 4, 16), torch.float16, DEVICE))
     assert (out[2] == 0).all() and not out.isnan().any()
-    counters = torch.zeros(3 * 2, dtype=torch.int32, device=DEVICE)
-    merged = decode_attention(q, k_buf, v_buf, table, rows, lens, 0.25, counters=counters,
-                              out=poisoned((3, 4, 16), torch.float16, DEVICE))  # fmt: skip
-    assert (merged[2] == 0).all() and not merged.isnan().any()
-    torch.testing.assert_close(merged, out, rtol=1e-2, atol=1e-3)
     ref = decode_attention_ref(q[:2], k_buf.float(), v_buf.float(), table, rows[:2], lens[:2], 0.25)
     assert rel_err(out[:2], ref) < REL_TOL[torch.float16]
