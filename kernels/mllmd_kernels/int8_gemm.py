@@ -373,9 +373,10 @@ def _int8_gemv_kernel(
     DP4A: tl.constexpr,  # b (and a, unless FUSE_QUANT) are the int8 tensors viewed as int32 words [.., K // 4]
     USE_ASM: tl.constexpr,  # DP4A: the dp4a instruction (False only in the interpreter)
 ):
-    """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row, both widened
-    to int32, multiply-added into per-thread partial sums acc[BLOCK_N, BLOCK_K // 16] (a group of 16
-    columns is one thread's 16-byte load, so the reshape moves no data), reduced over K at the end;
+    """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row. DP4A: both as
+    int32 words, one dp4a per word into acc[BLOCK_N, BLOCK_K // 4]; else both widened to int32 and
+    multiply-added into per-thread partial sums acc[BLOCK_N, BLOCK_K // 16] (a group of 16 columns is
+    one thread's 16-byte load, so the reshape moves no data); either way reduced over K at the end;
     exact in int32. FUSE_QUANT: a is the float row; every program takes the row's scale from all of x
     and quantizes its x slices itself (`_quant_row`: int8_quant's q bit for bit)."""
     pid_n = tl.program_id(0)
@@ -548,8 +549,9 @@ def _gemv(
     has_bias = bias is not None
     bias_arg = bias if has_bias else b_scale  # any pointer: never read without HAS_BIAS
     scale_block = min(next_pow2(k), GEMV_SCALE_BYTES // a.element_size())
-    words = [b] if fuse_quant else [a, b]
-    dp4a = cfg.dp4a and k % 4 == 0 and cfg.block_k >= 64 and all(t.stride(0) % 4 == 0 and t.storage_offset() % 4 == 0 for t in words)
+    words = [b] if fuse_quant else [a, b]  # the int8 tensors read as int32 words with dp4a
+    dp4a = cfg.dp4a and k % 4 == 0 and cfg.block_k >= 64
+    dp4a = dp4a and all(t.stride(0) % 4 == 0 and t.storage_offset() % 4 == 0 for t in words)
     if dp4a:  # the same bytes as int32 words (a stays the float row when the quantization is fused)
         b = b.view(torch.int32)
         a = a if fuse_quant else a.view(torch.int32)
