@@ -11,8 +11,10 @@ reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize +
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
 alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced inside the launch with
 counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate reduce launch),
-"bf16". `--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA
-tilings of int8_gemm_tma) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
+"bf16", and from M = 65 "w4a16_dequant_cublas". `--sweep` also times a list of tilings per case (on
+sm90 the int8 list includes the TMA tilings of int8_gemm_tma; at M = 1 each gemv tiling with and
+without dp4a, for the GEMM on int8 rows and for the one-row w8a8_gemv with the quantization fused
+in) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
 
