@@ -132,10 +132,13 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
                     (256, 128, 4, 1), (64, 64, 4, 4), (256, 128, 4, 3), (128, 128, 2, 3), (64, 128, 2, 4),
                     (128, 128, 4, 5)] if m == 1 else
                    [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)])  # fmt: skip
-        for bn, bk, warps, stages in tilings:
+        runs = [(mode, bm, t) for t in tilings]
+        if m == 1:  # the tensor-core tiling too, its one row padded to 16 (dequantizing is the gemv's limit)
+            runs += [("skinny", 16, t) for t in [(64, 128, 4, 4), (128, 128, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3)]]
+        for mode_, bm_, (bn, bk, warps, stages) in runs:
             tiles = -(-n // bn)
             splits = {1} | {auto_split(tiles, k, bk, sms, c, 2) for c in (2, 4, 8, 16)}
-            out += [W4A16Config(mode, bm, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
+            out += [W4A16Config(mode_, bm_, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
         return out
     return [W4A16Config("gemm", bm, bn, bk, 8, 1, w, st) for bm, bn, bk, w, st in [
         (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 3),
