@@ -25,11 +25,11 @@ from mllmd_kernels.rope import rope, rope_ref
 from mllmd_kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
 from mllmd_kernels.w4a16_gemm import (
-    DEQUANT_MIN_ROWS,
     W4A16Config,
     dequantize_int4_ref,
     pack_int4_ref,
     pick_w4a16_config,
+    prefers_dequant,
     splitk_counter_len,
     unpack_int4_ref,
     w4a16_dequantize,
@@ -41,7 +41,6 @@ __all__ = [
     "HAS_TRITON",
     "GemvConfig",
     "Int8GemmConfig",
-    "DEQUANT_MIN_ROWS",
     "W4A16Config",
     "decode_attention",
     "decode_attention_ref",
@@ -64,6 +63,7 @@ __all__ = [
     "pick_gemv_config",
     "pick_int8_config",
     "pick_w4a16_config",
+    "prefers_dequant",
     "splitk_counter_len",
     "rmsnorm",
     "rmsnorm_int8",

@@ -25,7 +25,8 @@ x[8j + i] into a float32 partial. Once per K step the partial is multiplied by t
 (channel-wise: once, at the end). Per K step x's planes come from one [BLOCK_K / 8, 8] load split
 with tl.split, and the words are prefetched NUM_STAGES steps ahead through shared memory (cp.async).
 
-Large M (`DEQUANT_MIN_ROWS` rows and up): `w4a16_dequantize` writes the weight once in the activation
+Large M (`prefers_dequant`: 256 rows and up, or 128 where the fused tiling has too few tiles):
+`w4a16_dequantize` writes the weight once in the activation
 dtype and cuBLAS multiplies; a fused tile would otherwise dequantize every weight tile once per M tile.
 
 Tilings by M (`pick_w4a16_config`, no autotuning):
@@ -101,12 +102,28 @@ def w4a16_gemm_ref(
     return out.to(x.dtype)
 
 
-# From this many rows on, dequantizing W once and calling cuBLAS beats the fused "gemm" tiling: on an
-# H200 the fused kernel ran the Qwen3-8B projections at M = 2,048 in 1.9-2.3x cuBLAS's bf16 time,
+# Where dequantizing W once and calling cuBLAS beats the fused "gemm" tiling (`prefers_dequant`): on
+# an H200 the fused kernel ran the Qwen3-8B projections at M = 2,048 in 1.9-2.3x cuBLAS's bf16 time,
 # while dequantizing is one pass over the weights (N*K/2 bytes read, N*K*2 written). At M = 128 the
-# four projections took 355 us a layer fused against 291 us dequantized (qkv 50.6 / 37.9, o 51.9 /
-# 26.2, gate_up 105 / 150, down 147 / 77: bench_quant --m 128 256); at 256, 477 against 316.
-DEQUANT_MIN_ROWS = 128
+# fused / dequantized times were qkv 50.6 / 37.9 us, o 51.9 / 26.2, gate_up 105 / 150, down 147 / 77
+# (bench_quant --m 128 256): the fused tiling wins only where it has enough tiles to fill the GPU
+# (gate_up: 384 tiles on 132 SMs; the others 64-96). At 256 rows dequantizing won or tied on all four.
+DEQUANT_MIN_ROWS = 128  # below: always the fused kernels
+DEQUANT_ALWAYS_ROWS = 256  # from here: always dequantize + cuBLAS
+
+
+def prefers_dequant(x: torch.Tensor, n: int, group: int) -> bool:
+    """x [M, K] @ W[n, K]^T is faster dequantized + cuBLAS than in the fused kernel: from
+    DEQUANT_ALWAYS_ROWS rows, and from DEQUANT_MIN_ROWS where the fused tiling has fewer than two
+    output tiles per SM of x's device."""
+    m, k = x.shape
+    if m < DEQUANT_MIN_ROWS:
+        return False
+    if m >= DEQUANT_ALWAYS_ROWS:
+        return True
+    sms = sm_count_for(x)
+    cfg = pick_w4a16_config(m, n, k, group, sms, max_shared_memory(x))
+    return cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n) < 2 * sms
 
 
 @dataclass(frozen=True)

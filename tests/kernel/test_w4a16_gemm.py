@@ -8,6 +8,7 @@ from mllmd_kernels import (
     W4A16Config,
     dequantize_int4_ref,
     pack_int4_ref,
+    prefers_dequant,
     splitk_counter_len,
     w4a16_dequantize,
     w4a16_gemm,
@@ -184,6 +185,17 @@ def test_w4a16_gemm_float32_activations() -> None:
         x = randn(m, 128, dtype=torch.float32, device=DEVICE, gen=g)
         out = w4a16_gemm(x, packed, scale, zp)
         assert rel_err(out, w4a16_gemm_ref(x, packed, scale, zp)) < REL_TOL[torch.float32]
+
+
+def test_prefill_dequantizes_where_the_fused_tiling_is_slower() -> None:
+    """Below 128 rows always the fused kernels, from 256 always dequantize + cuBLAS, in between the
+    fused tiling only where it has two output tiles or more per SM (a CPU tensor counts 16 SMs)."""
+    x = torch.empty(0, 4096)
+    assert not prefers_dequant(x.new_empty(127, 4096), 24576, 128)
+    assert prefers_dequant(x.new_empty(256, 4096), 24576, 128)
+    assert prefers_dequant(x.new_empty(128, 4096), 24, 128)  # 2 x 1 tiles
+    assert not prefers_dequant(x.new_empty(128, 4096), 24576, 128)  # 2 x 192 tiles
+    assert prefers_dequant(x.new_empty(255, 4096), 1024, 4096)  # channel-wise, 2 x 8 tiles
 
 
 def test_w4a16_gemm_empty_batch() -> None:

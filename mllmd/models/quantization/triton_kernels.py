@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import (
-    DEQUANT_MIN_ROWS,
     int8_gemm,
+    prefers_dequant,
     splitk_counter_len,
     triton_available,
     w4a16_dequantize,
@@ -108,7 +108,8 @@ class TritonW4A16Kernel(QuantLinearKernel):
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = _rows(x)
         zero_point = getattr(layer, "weight_zero_point", None)
-        if x2.shape[0] >= DEQUANT_MIN_ROWS:  # prefill: dequantize once, then cuBLAS
+        group = layer.in_features // layer.weight_scale.shape[1]
+        if prefers_dequant(x2, layer.weight_packed.shape[0], group):  # prefill: dequantize once, then cuBLAS
             w = w4a16_dequantize(layer.weight_packed, layer.weight_scale, zero_point, layer.in_features, x2.dtype)
             out = F.linear(x2, w, bias)
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
