@@ -210,7 +210,6 @@ def test_long_prefills_pick_tma_only_where_it_runs() -> None:
         assert pick_int8_config(1, n, k, 132, 232448, tma=True).mode == "gemv"
 
 
-
 @pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
 @pytest.mark.parametrize("cfg", GEMV_CONFIGS, ids=_gemv_id)
 def test_int8_gemv_explicit_tilings(cfg: Int8GemmConfig, dtype: torch.dtype) -> None:
