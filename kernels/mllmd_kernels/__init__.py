@@ -5,7 +5,7 @@ the Triton wrappers need `triton_available()` (CUDA + Triton), or TRITON_INTERPR
 tensors for development.
 """
 
-from mllmd_kernels._triton import HAS_TRITON, interpreting, triton_available, triton_runnable
+from mllmd_kernels._triton import HAS_TRITON, interpreting, pdl_launches, triton_available, triton_runnable
 from mllmd_kernels.activation import silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
 from mllmd_kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
@@ -38,6 +38,7 @@ from mllmd_kernels.w4a16_gemm import (
 )
 
 __all__ = [
+    "pdl_launches",
     "HAS_TRITON",
     "GemvConfig",
     "Int8GemmConfig",

@@ -7,8 +7,10 @@ kernel is launched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -96,3 +98,68 @@ def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids on the host: plain integer math (newer Triton wraps triton.cdiv
     as a constexpr function, a few microseconds a call on every launch)."""
     return -(-a // b)
+
+
+# Programmatic dependent launch (PDL, sm90+): a kernel launched with Triton's `launch_pdl` may start
+# while the previous kernel in the stream is still running; it must wait for that kernel's results
+# (`griddepcontrol.wait`) before it reads or writes global memory. Every kernel with a USE_PDL
+# constexpr calls `pdl_sync` before its first global access and takes its launch arguments from
+# `pdl_args`, which sets USE_PDL and launch_pdl together: a PDL launch without the wait would race.
+# The launch overlaps a kernel's start (launch, block scheduling, address setup) with the tail of the
+# one before it, which a batch-1 decode step of ~400 short kernels pays once per kernel.
+#
+# `griddepcontrol.wait` orders a kernel after the *kernels* before it; whether a PDL launch right after
+# a copy or a memset (a host-to-device `.to("cuda")`) waits for it is not verified here. So kernels
+# launch with PDL only inside `pdl_launches()`, which the decode CUDA graphs' warm-up and capture
+# enter: there every kernel of the step follows another kernel (the embedding comes first).
+_NO_PDL: dict[str, bool] = {"USE_PDL": False}
+_WITH_PDL: dict[str, bool] = {"USE_PDL": True, "launch_pdl": True}
+_pdl_depth = 0  # open pdl_launches() scopes (the engine launches from one thread)
+
+
+@contextlib.contextmanager
+def pdl_launches() -> Iterator[None]:
+    """Within: kernels launch with PDL where `pdl_supported`. Only for code whose kernels each follow
+    another kernel in the stream, never a copy or a memset (see above)."""
+    global _pdl_depth
+    _pdl_depth += 1
+    try:
+        yield
+    finally:
+        _pdl_depth -= 1
+
+
+@functools.lru_cache(maxsize=8)
+def pdl_supported(device_index: int) -> bool:
+    """The device is sm90+ and this Triton launches with PDL (its `launch_pdl` option: Triton 3.4+);
+    MLLMD_PDL=0 (read once per process) turns it off for comparison."""
+    if not HAS_TRITON or os.environ.get("MLLMD_PDL", "1") == "0":
+        return False
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover - not an NVIDIA build
+        return False
+    fields = getattr(CUDAOptions, "__dataclass_fields__", {})
+    return "launch_pdl" in fields
+
+
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """Launch keyword arguments for a kernel with a USE_PDL constexpr, on `t`'s device: PDL inside
+    `pdl_launches()` on a GPU that supports it, else none."""
+    if not _pdl_depth or not (HAS_TRITON and t.is_cuda) or interpreting():
+        return _NO_PDL
+    return _WITH_PDL if pdl_supported(t.device.index or 0) else _NO_PDL
+
+
+@triton.jit
+def pdl_sync(USE_PDL: tl.constexpr):
+    """With USE_PDL: wait until the previous kernel's writes are visible, then let the next kernel
+    launch (it waits in turn). Without: nothing (Triton < 3.4, pre-Hopper GPUs, the interpreter)."""
+    if USE_PDL:  # PTX 7.8 (sm90); written here, not tl.extra.cuda's, which Triton 3.0 lacks
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
+

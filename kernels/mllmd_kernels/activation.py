@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mllmd_kernels._triton import cdiv, next_pow2, tl, triton
+from mllmd_kernels._triton import cdiv, next_pow2, pdl_args, pdl_sync, tl, triton
 from mllmd_kernels.int8_quant import ONE_PASS_MAX_K, _quant_row, int8_quant, int8_quant_ref, int8_scale
 
 
@@ -44,7 +44,9 @@ def _silu_and_mul_int8_kernel(
     stride_x,
     stride_q,
     BLOCK: tl.constexpr,  # >= D: the whole row in registers
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -75,7 +77,7 @@ def silu_and_mul_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     block = next_pow2(max(d, 16))
     _silu_and_mul_int8_kernel[(rows,)](
         x, q, scale, d, x.stride(0), q.stride(0), BLOCK=block,
-        num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16),
+        num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16), **pdl_args(x),
     )  # fmt: skip
     return q, scale
 
@@ -88,7 +90,9 @@ def _silu_and_mul_kernel(
     stride_x,
     stride_out,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < D
@@ -112,6 +116,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, next_pow2(d))
     _silu_and_mul_kernel[(rows, cdiv(d, block))](
-        x2, o2, d, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1,
+        x2, o2, d, x2.stride(0), o2.stride(0), BLOCK=block, num_warps=4 if block >= 512 else 1, **pdl_args(x2),
     )
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 
 
 def decode_attention_ref(
@@ -68,7 +68,9 @@ def _decode_attention_stage1_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,7 +134,9 @@ def _decode_attention_stage2_kernel(
     SPLITS_P2: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -201,11 +205,11 @@ def decode_attention(
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
     _decode_attention_stage2_kernel[(bsz, hq)](
         mid_o, mid_lse, seq_lens, out, d, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_P2=max(2, next_pow2(num_splits)), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4 if block_d >= 128 else 1,
+        num_warps=4 if block_d >= 128 else 1, **pdl_args(q),
     )
     return out

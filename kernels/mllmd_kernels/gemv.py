@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import (
+    cdiv,
+    dot_in_fp32,
+    next_pow2,
+    pdl_args,
+    pdl_sync,
+    sm_count_for,
+    tl,
+    triton,
+)
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +69,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Up to 8 rows of x: fp32 multiply-accumulate over [BLOCK_N, BLOCK_K] weight tiles, one reduction
     over K at the end."""
@@ -71,6 +81,7 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_PER_SPLIT
     k_len = tl.minimum(K_PER_SPLIT, K - k_start)
+    pdl_sync(USE_PDL)
     num_iters = tl.cdiv(k_len, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
     if BLOCK_M == 1:
@@ -135,8 +146,10 @@ def _skinny_gemm_kernel(
     IS_SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """2..64 rows of x: acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T on tensor cores (x padded to 16+ rows)."""
+    pdl_sync(USE_PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -182,7 +195,9 @@ def _gemv_reduce_kernel(
     stride_ym,
     SPLIT_K,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -248,14 +263,18 @@ def gemv(
             x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IS_SPLIT=split > 1,
             DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_args(x),
         )
     else:
         _gemv_kernel[grid](
             x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IS_SPLIT=split > 1, EVEN_K=even_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl_args(x),
         )
     if split > 1:
         block = min(1024, next_pow2(n))
-        _gemv_reduce_kernel[(cdiv(n, block), m)](part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block)
+        _gemv_reduce_kernel[(cdiv(n, block), m)](
+            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, **pdl_args(x)
+        )
     return out

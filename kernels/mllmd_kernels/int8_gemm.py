@@ -46,7 +46,16 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import cdiv, interpreting, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import (
+    cdiv,
+    interpreting,
+    next_pow2,
+    pdl_args,
+    pdl_sync,
+    sm_count_for,
+    tl,
+    triton,
+)
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
 # From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads
@@ -298,8 +307,10 @@ def _int8_skinny_kernel(
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Decode: acc[BLOCK_N, BLOCK_M] = b_tile @ a_tile^T in int32 over one K split."""
+    pdl_sync(USE_PDL)
     pid_k = tl.program_id(1)
     offs_n, mask_n, rows_b, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -372,6 +383,7 @@ def _int8_gemv_kernel(
     SCALE_BLOCK: tl.constexpr,  # FUSE_QUANT: x elements per step of the max|x| pass
     DP4A: tl.constexpr,  # b (and a, unless FUSE_QUANT) are the int8 tensors viewed as int32 words [.., K // 4]
     USE_ASM: tl.constexpr,  # DP4A: the dp4a instruction (False only in the interpreter)
+    USE_PDL: tl.constexpr,
 ):
     """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row. DP4A: both as
     int32 words, one dp4a per word into acc[BLOCK_N, BLOCK_K // 4]; else both widened to int32 and
@@ -382,6 +394,7 @@ def _int8_gemv_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, mask_n, rows_b, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
+    pdl_sync(USE_PDL)
     offs_k = tl.arange(0, BLOCK_K)
     if FUSE_QUANT:
         a_scale = row_int8_scale(a_ptr, K, SCALE_BLOCK)
@@ -444,7 +457,9 @@ def _int8_splitk_epilogue_kernel(
     SPLIT_K,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -517,12 +532,13 @@ def int8_gemm(
     _int8_skinny_kernel[(cdiv(n, cfg.block_n), split)](
         a, b, a_scale, b_scale, bias_arg, out, part, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias, IS_SPLIT=split > 1,
-        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
     )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
         _int8_splitk_epilogue_kernel[(cdiv(n, block), m)](
-            part, a_scale, b_scale, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
+            part, a_scale, b_scale, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block,
+            **pdl_args(a),
         )
     return out
 
@@ -561,11 +577,13 @@ def _gemv(
         EVEN_K=k % cfg.block_k == 0, FUSE_QUANT=fuse_quant, SCALE_BLOCK=scale_block,
         DP4A=dp4a, USE_ASM=not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(a),
     )  # fmt: skip
     if split > 1:
         block = min(1024, next_pow2(n))
         _int8_splitk_epilogue_kernel[(cdiv(n, block), 1)](
-            part, a_scale, b_scale, bias_arg, out, 1, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
+            part, a_scale, b_scale, bias_arg, out, 1, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block,
+            **pdl_args(a),
         )
     return out
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import next_pow2, tl, triton
+from mllmd_kernels._triton import next_pow2, pdl_args, pdl_sync, tl, triton
 
 INT8_RANGE_HALF = 127.5  # (127 - (-128)) / 2
 FP32_EPS = float(torch.finfo(torch.float32).eps)
@@ -83,7 +83,9 @@ def _int8_quant_kernel(
     stride_qm,
     BLOCK_K: tl.constexpr,
     ONE_PASS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
@@ -122,6 +124,7 @@ def int8_quant(
     block = next_pow2(max(k, 16)) if one_pass else (block_k or 4096)
     num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
     _int8_quant_kernel[(m,)](
-        x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block, ONE_PASS=one_pass, num_warps=num_warps
+        x, out, scale, k, x.stride(0), out.stride(0), BLOCK_K=block, ONE_PASS=one_pass, num_warps=num_warps,
+        **pdl_args(x),
     )
     return out, scale

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import next_pow2, tl, triton
+from mllmd_kernels._triton import next_pow2, pdl_args, pdl_sync, tl, triton
 from mllmd_kernels.int8_quant import _quant_row, int8_quant_ref, int8_scale
 
 
@@ -50,7 +50,9 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_H)
     mask = offs < H
@@ -129,7 +131,10 @@ def _launch(
     num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
     _rmsnorm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, ro2, scale, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
-        HAS_RESIDUAL=has_residual, QUANT=quant, BLOCK_H=block, num_warps=num_warps,
+        HAS_RESIDUAL=has_residual, QUANT=quant, BLOCK_H=block, num_warps=num_warps, **pdl_args(x2),
+        # No mul + add contraction: where LLVM fuses x * x into the sum of squares depended on the code
+        # after it, so rmsnorm_int8's rows differed in the last bit from rmsnorm's (H200, Triton 3.6).
+        enable_fp_fusion=False,
     )  # fmt: skip
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import cdiv, next_pow2, tl, triton
+from mllmd_kernels._triton import cdiv, next_pow2, pdl_args, pdl_sync, tl, triton
 from mllmd_kernels.rmsnorm import rmsnorm_ref
 
 
@@ -67,7 +67,9 @@ def _rope_kernel(
     HAS_NORM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # head block: the first cdiv(Hq, BLOCK_HEADS) blocks are q heads, the rest k heads
     q_blocks = tl.cdiv(Hq, BLOCK_HEADS)
@@ -158,6 +160,6 @@ def rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_cache.stride(0), sin_cache.stride(0), eps,
-        HAS_NORM=has_norm, BLOCK_HEADS=block_heads, BLOCK=block, num_warps=4 if block_heads * block >= 512 else 1,
+        HAS_NORM=has_norm, BLOCK_HEADS=block_heads, BLOCK=block, num_warps=4 if block_heads * block >= 512 else 1, **pdl_args(q),
     )
     return q_out, k_out

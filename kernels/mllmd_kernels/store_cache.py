@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import cdiv, next_pow2, tl, triton, use_triton
+from mllmd_kernels._triton import cdiv, next_pow2, pdl_args, pdl_sync, tl, triton, use_triton
 
 
 def store_cache_ref(
@@ -32,7 +32,9 @@ def _store_cache_kernel(
     stride_k,
     stride_v,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < HD
@@ -64,7 +66,7 @@ def store_cache_triton(
     block = min(4096, next_pow2(hd))
     _store_cache_kernel[(num_tokens, cdiv(hd, block))](
         k_cache, v_cache, loc, k2, v2, hd, k_cache.stride(0), v_cache.stride(0), k2.stride(0), v2.stride(0),
-        BLOCK=block, num_warps=4 if block >= 512 else 1,
+        BLOCK=block, num_warps=4 if block >= 512 else 1, **pdl_args(k2),
     )
 
 

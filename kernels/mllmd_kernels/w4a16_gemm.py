@@ -51,7 +51,16 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, sm_count_for, tl, triton
+from mllmd_kernels._triton import (
+    cdiv,
+    dot_in_fp32,
+    next_pow2,
+    pdl_args,
+    pdl_sync,
+    sm_count_for,
+    tl,
+    triton,
+)
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
@@ -303,11 +312,13 @@ def _w4a16_gemv_kernel(
     SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else _splitk_reduce_kernel)
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """M == 1: a [BLOCK_N, BLOCK_K / 8] tile of words is 8 nibble planes (plane i: k = 8j + i), each
     multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1."""
     BW: tl.constexpr = BLOCK_K // 8
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
+    pdl_sync(USE_PDL)
     offs_w = tl.arange(0, BW)
     w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (w_col + offs_w)[None, :]
@@ -396,8 +407,10 @@ def _w4a16_decode_kernel(
     SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else _splitk_reduce_kernel)
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Skinny (2 <= M <= 64): W_tile @ x_tile^T on tensor cores, one K split per program along axis 1."""
+    pdl_sync(USE_PDL)
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
@@ -511,7 +524,9 @@ def _splitk_reduce_kernel(
     SPLIT_K,
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_sync(USE_PDL)
     m = tl.program_id(1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -667,6 +682,7 @@ def w4a16_gemm(
             NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # the kernel counts on FMAs (Triton 3.10 stops fusing by default)
+            **pdl_args(x),
         )  # fmt: skip
     else:
         assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
@@ -675,11 +691,11 @@ def w4a16_gemm(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial,
             DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
         )  # fmt: skip
     if split > 1 and not serial:
         block = min(1024, next_pow2(n))
         _splitk_reduce_kernel[(cdiv(n, block), m)](
-            part, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block
+            part, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block, **pdl_args(x)
         )
     return out

@@ -20,6 +20,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+from mllmd_kernels import pdl_launches
 
 from mllmd.engine.forward_batch import ForwardBatch
 
@@ -82,6 +83,13 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         stream = torch.cuda.Stream(self.runner.device)
         stream.wait_stream(torch.cuda.current_stream())
+        with pdl_launches():  # on sm90: kernels overlap their start with the previous kernel's tail
+            self._capture_on(stream)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize(self.runner.device)
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def _capture_on(self, stream: torch.cuda.Stream) -> None:
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool memory
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its algorithms
@@ -97,9 +105,6 @@ class CudaGraphRunner:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize(self.runner.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def _decode_batch(self, bs: int) -> ForwardBatch:
         batch = self._batch(bs)

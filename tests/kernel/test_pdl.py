@@ -1,0 +1,165 @@
+"""Programmatic dependent launch: when the kernels launch with PDL (sm90+, Triton with `launch_pdl`,
+inside `pdl_launches()`), and that a decode-shaped chain of dependent PDL launches, eager and in a
+CUDA graph, gives bit for bit what the same chain gives with PDL off (a kernel reading its
+predecessor's output too early would not)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from mllmd_kernels import _triton as kt
+from mllmd_kernels import (
+    decode_attention,
+    gemv,
+    int8_gemm,
+    pack_int4_ref,
+    rmsnorm,
+    rmsnorm_int8,
+    rope,
+    silu_and_mul,
+    w4a16_gemm,
+    w8a8_linear,
+)
+from mllmd_kernels.testing import kernel_device, on_gpu, randn
+
+
+@pytest.fixture
+def fresh_pdl(monkeypatch: pytest.MonkeyPatch):
+    """pdl_supported re-reads MLLMD_PDL and the device on its next call, and again after the test."""
+    kt.pdl_supported.cache_clear()
+    yield monkeypatch
+    kt.pdl_supported.cache_clear()
+
+
+def _triton_has_launch_pdl() -> bool:
+    if not kt.HAS_TRITON:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def test_no_pdl_on_cpu_tensors() -> None:
+    """CPU tensors (the interpreter, CI) never launch with PDL: the kernels get USE_PDL=False only."""
+    with kt.pdl_launches():
+        assert kt.pdl_args(torch.zeros(1)) == {"USE_PDL": False}
+
+
+def test_pdl_only_inside_pdl_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A supported GPU launches with PDL only inside the scope (the decode graphs' warm-up and capture),
+    where every kernel follows another kernel: a PDL launch is not known to wait for a copy."""
+    gpu_tensor = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    monkeypatch.setattr(kt, "pdl_supported", lambda index: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert kt.pdl_args(gpu_tensor) == {"USE_PDL": False}
+    with kt.pdl_launches():
+        with kt.pdl_launches():
+            assert kt.pdl_args(gpu_tensor) == {"USE_PDL": True, "launch_pdl": True}
+        assert kt.pdl_args(gpu_tensor) == {"USE_PDL": True, "launch_pdl": True}
+    assert kt.pdl_args(gpu_tensor) == {"USE_PDL": False}
+    with pytest.raises(RuntimeError), kt.pdl_launches():
+        raise RuntimeError("a failed capture")
+    assert kt.pdl_args(gpu_tensor) == {"USE_PDL": False}, "the scope closes on errors too"
+
+
+@pytest.mark.parametrize("capability", [(8, 7), (9, 0)])
+@pytest.mark.parametrize("env", [None, "0"])
+def test_pdl_needs_sm90_a_triton_with_launch_pdl_and_not_mllmd_pdl_0(
+    fresh_pdl: pytest.MonkeyPatch, capability: tuple[int, int], env: str | None
+) -> None:
+    fresh_pdl.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    if env is None:
+        fresh_pdl.delenv("MLLMD_PDL", raising=False)
+    else:
+        fresh_pdl.setenv("MLLMD_PDL", env)
+    expected = capability >= (9, 0) and env != "0" and _triton_has_launch_pdl()
+    assert kt.pdl_supported(0) is expected
+
+
+def _decode_chain(steps: int, gen: torch.Generator) -> tuple:
+    """Inputs of a Qwen3-like batch-1 decode chain (hidden 1024, 8 / 2 heads of 128, MLP 3072)."""
+    dev, dt = "cuda", torch.bfloat16
+    h, hq, hkv, d, inter, ctx = 1024, 8, 2, 128, 3072, 300
+    w = {
+        "norm": randn(h, dtype=dt, device=dev, gen=gen, scale=0.1) + 1,
+        "qkv": randn((hq + 2 * hkv) * d, h, dtype=dt, device=dev, gen=gen, scale=h**-0.5),
+        "o": randn(h, hq * d, dtype=dt, device=dev, gen=gen, scale=(hq * d) ** -0.5),
+        "gate_up_q": torch.randint(-127, 128, (2 * inter, h), generator=gen, dtype=torch.int8).to(dev),
+        "gate_up_s": (torch.rand(2 * inter, 1, generator=gen) * 2e-3 + 1e-4).to(dev),
+        "down_packed": pack_int4_ref(torch.randint(-8, 8, (h, inter), generator=gen, dtype=torch.int8)).to(dev),
+        "down_s": (torch.rand(h, inter // 128, generator=gen) * 0.02 + 1e-3).to(dev),
+        "qn": randn(d, dtype=dt, device=dev, gen=gen, scale=0.1) + 1,
+        "kn": randn(d, dtype=dt, device=dev, gen=gen, scale=0.1) + 1,
+        "k_cache": randn(ctx + steps, hkv, d, dtype=dt, device=dev, gen=gen),
+        "v_cache": randn(ctx + steps, hkv, d, dtype=dt, device=dev, gen=gen),
+    }
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    ang = torch.arange(ctx + steps, dtype=torch.float32)[:, None] * inv[None, :]
+    w["cos"], w["sin"] = torch.cat([ang.cos()] * 2, -1).to(dev), torch.cat([ang.sin()] * 2, -1).to(dev)
+    w["req_to_token"] = torch.arange(ctx + steps, device=dev).view(1, -1)
+    return w, (h, hq, hkv, d)
+
+
+def _run_chain(w: dict, dims: tuple, x0: torch.Tensor, steps: int) -> torch.Tensor:
+    """`steps` decoder-like layers, each kernel consuming the one before: rmsnorm -> gemv (qkv) ->
+    rope -> decode attention (two launches) -> gemv (o) -> rmsnorm_int8 -> int8 gemv (gate_up) ->
+    silu_and_mul -> w4a16 gemv (down) + residual. Returns the last hidden row."""
+    h, hq, hkv, d = dims
+    x, res = x0, torch.zeros_like(x0)
+    zero = torch.zeros(1, dtype=torch.int64, device=x0.device)
+    for i in range(steps):
+        normed, res = rmsnorm(x, w["norm"], 1e-6, residual=res)
+        qkv = gemv(normed, w["qkv"])
+        q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        pos = torch.full((1,), 300 + i, dtype=torch.int64, device=x0.device)
+        q, _ = rope(pos, q.view(1, hq, d), k.view(1, hkv, d), w["cos"], w["sin"], w["qn"], w["kn"], 1e-6)
+        seq = torch.full((1,), 200 + 7 * i, dtype=torch.int64, device=x0.device)
+        attn = decode_attention(q, w["k_cache"], w["v_cache"], w["req_to_token"], zero, seq, d**-0.5)
+        x = gemv(attn.reshape(1, hq * d), w["o"])
+        qx, sx, res = rmsnorm_int8(x, w["norm"], 1e-6, residual=res)
+        gu = int8_gemm(qx, w["gate_up_q"], sx, w["gate_up_s"], torch.bfloat16)
+        x = w4a16_gemm(silu_and_mul(gu), w["down_packed"], w["down_s"])
+        x = w8a8_linear(x, w["gate_up_q"][:h], w["gate_up_s"][:h])  # the fused one-row quantizing gemv
+    return x + res
+
+
+@pytest.mark.skipif(not on_gpu() or kernel_device() != "cuda", reason="needs a CUDA GPU")
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_pdl_chain_equals_the_serial_chain(fresh_pdl: pytest.MonkeyPatch, graph: bool) -> None:
+    steps = 6
+    w, dims = _decode_chain(steps, torch.Generator().manual_seed(7))
+    x0 = randn(1, dims[0], dtype=torch.bfloat16, device="cuda", gen=torch.Generator().manual_seed(8))
+
+    def run() -> torch.Tensor:
+        with kt.pdl_launches():
+            if not graph:
+                torch.cuda.synchronize()  # the inputs' copies have landed (PDL is not known to wait for copies)
+                return _run_chain(w, dims, x0, steps)
+            _run_chain(w, dims, x0, steps)  # compile outside the capture
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                out = _run_chain(w, dims, x0, steps)
+        for _ in range(3):
+            g.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    fresh_pdl.setenv("MLLMD_PDL", "0")
+    kt.pdl_supported.cache_clear()
+    serial = run()
+    fresh_pdl.delenv("MLLMD_PDL")
+    kt.pdl_supported.cache_clear()
+    with kt.pdl_launches():
+        uses_pdl = kt.pdl_args(x0).get("launch_pdl", False)
+    if torch.cuda.get_device_capability()[0] >= 9 and _triton_has_launch_pdl():
+        assert uses_pdl, "an sm90 GPU with a PDL-capable Triton should launch with PDL"
+    overlapped = run()
+    assert torch.isfinite(serial).all()
+    torch.testing.assert_close(overlapped, serial, rtol=0, atol=0)
+    if not uses_pdl:
+        pytest.skip("PDL is off here (pre-sm90 GPU or Triton < 3.4): both chains ran serially")
