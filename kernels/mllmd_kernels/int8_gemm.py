@@ -46,16 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import (
-    cdiv,
-    interpreting,
-    next_pow2,
-    pdl_args,
-    pdl_sync,
-    sm_count_for,
-    tl,
-    triton,
-)
+from mllmd_kernels._triton import cdiv, interpreting, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
 # From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads

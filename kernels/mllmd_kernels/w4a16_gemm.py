@@ -51,16 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import (
-    cdiv,
-    dot_in_fp32,
-    next_pow2,
-    pdl_args,
-    pdl_sync,
-    sm_count_for,
-    tl,
-    triton,
-)
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
