@@ -132,8 +132,9 @@ def _launch(
     _rmsnorm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, ro2, scale, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
         HAS_RESIDUAL=has_residual, QUANT=quant, BLOCK_H=block, num_warps=num_warps, **pdl_args(x2),
-        # No mul + add contraction: where LLVM fuses x * x into the sum of squares depended on the code
-        # after it, so rmsnorm_int8's rows differed in the last bit from rmsnorm's (H200, Triton 3.6).
+        # No mul + add contraction: where LLVM fused x * x into the sum of squares depended on the code
+        # after it, and rmsnorm_int8's rows differed from rmsnorm's in the last bit (the 4 x 256 test
+        # case on the H200, Triton 3.6; equal since).
         enable_fp_fusion=False,
     )  # fmt: skip
 
