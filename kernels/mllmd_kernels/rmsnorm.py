@@ -133,8 +133,8 @@ def _launch(
         x2, r2, weight, o2, ro2, scale, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,
         HAS_RESIDUAL=has_residual, QUANT=quant, BLOCK_H=block, num_warps=num_warps, **pdl_args(x2),
         # No mul + add contraction: where LLVM fused x * x into the sum of squares depended on the code
-        # after it, and rmsnorm_int8's rows differed from rmsnorm's in the last bit (the 4 x 256 test
-        # case on the H200, Triton 3.6; equal since).
+        # after it, one more way for rmsnorm_int8's rows to differ from rmsnorm's in the last bit (the
+        # other: their layouts, see test_rmsnorm).
         enable_fp_fusion=False,
     )  # fmt: skip
 

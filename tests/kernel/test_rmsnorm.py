@@ -94,7 +94,7 @@ def test_rmsnorm_int8_equals_rmsnorm_then_int8_quant(shape: tuple[int, int], dty
     q2, s2 = int8_quant(normed)
     q, s = got[0], got[1]
     assert q.dtype == torch.int8 and q.shape == shape and s.shape == (shape[0], 1) and not s.isnan().any()
-    if shape[0] * shape[1] <= 4096:
+    if not on_gpu():  # the interpreter sums in one order whatever the layout
         assert torch.equal(s, s2), "scales differ from int8_quant(rmsnorm(...))"
         assert torch.equal(q, q2), f"{int((q != q2).sum())} quantized values differ"
     else:
