@@ -160,6 +160,7 @@ def rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
         cos_cache.stride(0), sin_cache.stride(0), eps,
-        HAS_NORM=has_norm, BLOCK_HEADS=block_heads, BLOCK=block, num_warps=4 if block_heads * block >= 512 else 1, **pdl_args(q),
+        HAS_NORM=has_norm, BLOCK_HEADS=block_heads, BLOCK=block, num_warps=4 if block_heads * block >= 512 else 1,
+        **pdl_args(q),
     )
     return q_out, k_out
