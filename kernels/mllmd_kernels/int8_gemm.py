@@ -34,6 +34,10 @@ fetch their tiles by TMA instead (int8_gemm_tma), chosen by capability (`tma_sup
 every program takes max|x| over the whole row (at most a few tens of KB, L2-resident) and quantizes
 its own x slices with `int8_quant`'s code, so q and the scale equal `int8_quant`'s bit for bit and
 the output equals int8_quant + int8_gemm's bit for bit, in one launch instead of two.
+`int8_gemm_silu_mul` (a W8A8 gate/up projection of one row) pairs each gate output with its up output
+in the gemv's epilogue and stores silu(gate) * up: silu_and_mul(int8_gemm(...)) bit for bit, without
+the second launch (H200, Qwen3-8B gate_up: 26.3 against 27.0 us alone; 2.741 against 2.751 ms a decode
+step, in different runs).
 
 No host synchronisation: the launches depend only on shapes (CUDA-graph capturable).
 """
@@ -47,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import cdiv, interpreting, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
+from mllmd_kernels.activation import _silu_mul, silu_and_mul
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
 
 # From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads
@@ -353,6 +358,30 @@ def _pack_words(q, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _dp4a_weights(b_ptrs, k0, k_len, offs_w, EVEN_K: tl.constexpr):
+    """The weight words [BLOCK_N, BLOCK_K // 4] of the K step at k0 (streamed, evict-first; 0 past k_len)."""
+    if EVEN_K:
+        return tl.load(b_ptrs, eviction_policy="evict_first")
+    else:
+        return tl.load(b_ptrs, mask=((k0 + 4 * offs_w) < k_len)[None, :], other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _dp4a_step(
+    acc, b, a_ptr, a_scale, k0, k_start, k_len, offs_w, offs_k,
+    BLOCK_K: tl.constexpr, FUSE_QUANT: tl.constexpr, USE_ASM: tl.constexpr,
+):  # fmt: skip
+    """acc + the K step at k0: the weight words b times the row's int8 words there (FUSE_QUANT: the
+    float row's slice, quantized here; masked columns: x = 0 -> q = 0)."""
+    if FUSE_QUANT:
+        x = tl.load(a_ptr + k_start + k0 + offs_k, mask=(k0 + offs_k) < k_len, other=0.0).to(tl.float32)
+        a = _pack_words(_quant_row(x, a_scale), BLOCK_K)
+    else:
+        a = tl.load(a_ptr + (k_start + k0) // 4 + offs_w, mask=(k0 + 4 * offs_w) < k_len, other=0)
+    return _dot4(b, a[None, :], acc, USE_ASM)
+
+
+@triton.jit
 def _int8_gemv_kernel(
     a_ptr,  # [K] int8 activations, or the float row x [K] (FUSE_QUANT)
     b_ptr,  # [N, K] int8
@@ -375,16 +404,26 @@ def _int8_gemv_kernel(
     DP4A: tl.constexpr,  # b (and a, unless FUSE_QUANT) are the int8 tensors viewed as int32 words [.., K // 4]
     USE_ASM: tl.constexpr,  # DP4A: the dp4a instruction (False only in the interpreter)
     USE_PDL: tl.constexpr,
+    SILU_MUL: tl.constexpr = False,  # b is a fused gate/up weight [2 D, K]: c [D] = silu(gate) * up (no split)
 ):
     """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row. DP4A: both as
     int32 words, one dp4a per word into acc[BLOCK_N, BLOCK_K // 4]; else both widened to int32 and
     multiply-added into per-thread partial sums acc[BLOCK_N, BLOCK_K // 16] (a group of 16 columns is
     one thread's 16-byte load, so the reshape moves no data); either way reduced over K at the end;
     exact in int32. FUSE_QUANT: a is the float row; every program takes the row's scale from all of x
-    and quantizes its x slices itself (`_quant_row`: int8_quant's q bit for bit)."""
+    and quantizes its x slices itself (`_quant_row`: int8_quant's q bit for bit). SILU_MUL: the
+    program's rows alternate gate row j and up row D + j for BLOCK_N / 2 outputs j, which the
+    epilogue rounds to c's dtype (the gemm's output) and pairs into silu(gate) * up
+    (`silu_and_mul`'s rounding), so the [2 D] projection row is never written."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n, mask_n, rows_b, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
+    if SILU_MUL:  # row 2 i + h of the tile: gate (h = 0) or up (h = 1) row of output pid_n * BLOCK_N / 2 + i
+        i = tl.arange(0, BLOCK_N)
+        pair = pid_n * (BLOCK_N // 2) + i // 2
+        mask_n = pair < N // 2
+        offs_n = pair + (i % 2) * (N // 2)
+        rows_b = tl.where(mask_n, offs_n, 0).to(tl.int64)
     pdl_sync(USE_PDL)
     offs_k = tl.arange(0, BLOCK_K)
     if FUSE_QUANT:
@@ -396,18 +435,8 @@ def _int8_gemv_kernel(
         b_ptrs = b_ptr + rows_b[:, None] * (stride_bn // 4) + (k_start // 4 + offs_w)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.int32)
         for k0 in range(0, k_len, BLOCK_K):
-            w_mask = (k0 + 4 * offs_w) < k_len
-            if EVEN_K:
-                b = tl.load(b_ptrs, eviction_policy="evict_first")
-            else:
-                b = tl.load(b_ptrs, mask=w_mask[None, :], other=0, eviction_policy="evict_first")
-            if FUSE_QUANT:
-                x_mask = (k0 + offs_k) < k_len
-                x = tl.load(a_ptr + k_start + k0 + offs_k, mask=x_mask, other=0.0).to(tl.float32)
-                a = _pack_words(_quant_row(x, a_scale), BLOCK_K)
-            else:
-                a = tl.load(a_ptr + (k_start + k0) // 4 + offs_w, mask=w_mask, other=0)
-            acc = _dot4(b, a[None, :], acc, USE_ASM)
+            b = _dp4a_weights(b_ptrs, k0, k_len, offs_w, EVEN_K)
+            acc = _dp4a_step(acc, b, a_ptr, a_scale, k0, k_start, k_len, offs_w, offs_k, BLOCK_K, FUSE_QUANT, USE_ASM)
             b_ptrs += BLOCK_K // 4
     else:
         b_ptrs = b_ptr + rows_b[:, None] * stride_bn + (k_start + offs_k)[None, :]
@@ -432,7 +461,13 @@ def _int8_gemv_kernel(
         out = acc_n.to(tl.float32) * a_scale * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
         if HAS_BIAS:
             out = out + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(c_ptr + offs_n, out.to(c_ptr.dtype.element_ty), mask=mask_n)
+        if SILU_MUL:
+            gate, up = tl.split(tl.reshape(out.to(c_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
+            offs_d = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            y = _silu_mul(gate, up, c_ptr.dtype.element_ty)
+            tl.store(c_ptr + offs_d, y.to(c_ptr.dtype.element_ty), mask=offs_d < N // 2)
+        else:
+            tl.store(c_ptr + offs_n, out.to(c_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -543,6 +578,7 @@ def _gemv(
     out: torch.Tensor,  # [1, N]
     cfg: Int8GemmConfig,
     fuse_quant: bool,
+    silu_mul: bool = False,  # b is a gate/up weight [2 D, K]; out [1, D] = silu(gate) * up (one K split only)
 ) -> torch.Tensor:
     """Launch `_int8_gemv_kernel` (+ the split-K epilogue) for one row."""
     assert cfg.block_k >= 16 and cfg.split_k >= 1, cfg
@@ -550,6 +586,7 @@ def _gemv(
     n = b.shape[0]
     k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = cdiv(k, k_per_split)
+    assert not silu_mul or (split == 1 and n % 2 == 0 and cfg.block_n % 2 == 0), "silu_mul: one K split, even N"
     part = torch.empty((split, 1, n), dtype=torch.int32, device=a.device) if split > 1 else out
     if a_scale is None:  # fused: the kernel's scale, kept for the split-K epilogue
         a_scale = torch.empty(1, dtype=torch.float32, device=a.device) if split > 1 else b_scale
@@ -566,7 +603,7 @@ def _gemv(
         a, b, a_scale, b_scale, bias_arg, out, part, n, k, b.stride(0) * (4 if dp4a else 1), k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1,
         EVEN_K=k % cfg.block_k == 0, FUSE_QUANT=fuse_quant, SCALE_BLOCK=scale_block,
-        DP4A=dp4a, USE_ASM=not interpreting(),
+        DP4A=dp4a, USE_ASM=not interpreting(), SILU_MUL=silu_mul,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(a),
     )  # fmt: skip
@@ -577,6 +614,34 @@ def _gemv(
             **pdl_args(a),
         )
     return out
+
+
+def int8_gemm_silu_mul(
+    a: torch.Tensor,  # [M, K] int8
+    b: torch.Tensor,  # [2 D, K] int8: gate rows, then up rows
+    a_scale: torch.Tensor,  # [M, 1] or [M] float32
+    b_scale: torch.Tensor,  # [2 D, 1] or [2 D] float32
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,  # [2 D]
+    config: Int8GemmConfig | None = None,
+) -> torch.Tensor:
+    """silu_and_mul(int8_gemm(...)) -> [M, D] out_dtype, bit for bit. One row with an unsplit gemv
+    tiling (the default for a fused gate/up projection) takes one launch: the gemv's epilogue pairs
+    each gate output with its up output, so the [M, 2 D] projection is never written; otherwise the
+    two launches."""
+    m, k = a.shape
+    n = b.shape[0]
+    assert n % 2 == 0, f"a gate/up weight has an even number of rows, not {n}"
+    if m == 1 and a.dtype == torch.int8 and b.dtype == torch.int8 and a.stride(1) == 1 and b.stride(1) == 1:
+        cfg = config or pick_int8_config(1, n, k, sm_count_for(a), max_shared_memory(a))
+        if cfg.mode == "gemv" and cdiv(k, cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k) == 1:
+            assert b.shape[1] == k and a_scale.numel() == 1 and b_scale.numel() == n
+            assert a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32
+            out = torch.empty((1, n // 2), dtype=out_dtype, device=a.device)
+            b_scale = b_scale.reshape(n).contiguous()
+            a_scale = a_scale.reshape(1).contiguous()
+            return _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False, silu_mul=True)
+    return silu_and_mul(int8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config))
 
 
 def w8a8_gemv(

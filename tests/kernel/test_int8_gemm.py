@@ -3,7 +3,8 @@ w8a8_gemv (the gemv with the activation quantization fused in) against their tor
 
 The int32 accumulation is checked exactly (unit scales, float32 output, against the exact integer
 products summed in float64); the epilogue with real scales and bias against int8_gemm_ref; the fused
-one-row path bit for bit against int8_quant + int8_gemm.
+one-row path bit for bit against int8_quant + int8_gemm; the gate/up gemv with silu_and_mul in its
+epilogue bit for bit against int8_gemm + silu_and_mul.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from mllmd_kernels import (
     Int8GemmConfig,
     int8_gemm,
     int8_gemm_ref,
+    int8_gemm_silu_mul,
     int8_quant,
     pick_int8_config,
+    silu_and_mul,
+    silu_and_mul_ref,
     w8a8_linear,
     w8a8_linear_ref,
 )
@@ -275,3 +279,50 @@ def test_w8a8_gemv_fused_quant_edge_rows(monkeypatch: pytest.MonkeyPatch, scale_
             for cfg in (GEMV_CONFIGS[0], GEMV_CONFIGS[1], GEMV_CONFIGS[5]):
                 ref = int8_gemm(q, w, s, w_scale, dtype, config=cfg)
                 assert torch.equal(w8a8_gemv(xd, w, w_scale, config=cfg), ref)
+
+
+# silu(gate) * up in the one-row gemv's epilogue: D outputs (not a multiple of BLOCK_N / 2), K off the
+# block; the unsplit tilings fuse, the split ones (and more rows) take int8_gemm + silu_and_mul.
+SILU_D, SILU_K = 45, 232
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("cfg", [None, *GEMV_CONFIGS], ids=lambda c: "default" if c is None else _gemv_id(c))
+def test_int8_gemm_silu_mul_equals_gemm_then_silu_and_mul(cfg: Int8GemmConfig | None, dtype: torch.dtype) -> None:
+    """The gate/up projection of one row with the activation fused: silu_and_mul(int8_gemm(...)) bit
+    for bit (the gate and up outputs rounded to the dtype first, as the gemm stores them), every
+    output written, and close to the torch references; with and without bias."""
+    g = torch.Generator().manual_seed(SILU_D + (cfg.block_n * 10 + cfg.split_k if cfg else 0))
+    a, b = _int8(1, SILU_K, gen=g), _int8(2 * SILU_D, SILU_K, gen=g)
+    a_scale = (torch.rand(1, 1, generator=g) * 0.05 + 1e-3).to(DEVICE)
+    b_scale = (torch.rand(2 * SILU_D, 1, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    bias = randn(2 * SILU_D, dtype=dtype, device=DEVICE, gen=g)
+    for bi in (None, bias):
+        out = int8_gemm_silu_mul(a, b, a_scale, b_scale, dtype, bi, config=cfg)
+        assert out.shape == (1, SILU_D) and out.dtype == dtype and not out.isnan().any()
+        h = int8_gemm(a, b, a_scale, b_scale, dtype, bi, config=cfg)
+        assert torch.equal(out, silu_and_mul(h))
+        ref = silu_and_mul_ref(int8_gemm_ref(a, b, a_scale, b_scale, dtype, bi).float()).to(dtype)
+        torch.testing.assert_close(out, ref, **close_tol(dtype))
+
+
+def test_int8_gemm_silu_mul_fuses_only_unsplit_one_row_gemvs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused epilogue runs for one row with one K split; split gemvs and several rows fall back
+    to int8_gemm + silu_and_mul (which a poisoned silu_and_mul would reveal)."""
+    gemm_mod = importlib.import_module("mllmd_kernels.int8_gemm")
+    calls: list[tuple[int, ...]] = []
+
+    def spy(x: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(x.shape))
+        return silu_and_mul(x)
+
+    monkeypatch.setattr(gemm_mod, "silu_and_mul", spy)
+    g = torch.Generator().manual_seed(3)
+    b = _int8(2 * SILU_D, SILU_K, gen=g)
+    b_scale = torch.full((2 * SILU_D, 1), 1e-4, device=DEVICE)
+    for m, cfg in [(1, GEMV_CONFIGS[0]), (1, GEMV_CONFIGS[1]), (3, None), (1, None)]:
+        a = _int8(m, SILU_K, gen=g)
+        out = int8_gemm_silu_mul(a, b, torch.ones(m, 1, device=DEVICE), b_scale, torch.float32, config=cfg)
+        assert out.shape == (m, SILU_D)
+    assert calls == [(1, 2 * SILU_D), (3, 2 * SILU_D)]
+

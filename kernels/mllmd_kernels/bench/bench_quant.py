@@ -11,10 +11,11 @@ reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize +
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
 alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced inside the launch with
 counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate reduce launch),
-"bf16", and from M = 65 "w4a16_dequant_cublas". `--sweep` also times a list of tilings per case (on
-sm90 the int8 list includes the TMA tilings of int8_gemm_tma; at M = 1 each gemv tiling with and
-without dp4a, for the GEMM on int8 rows and for the one-row w8a8_gemv with the quantization fused
-in) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
+"bf16", from M = 65 "w4a16_dequant_cublas", and at M = 1 on gate_up "int8_gemm_silu_mul" (the
+gemv with silu(gate) * up in its epilogue; `us_two_launches`: int8_gemm then silu_and_mul).
+`--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA tilings of
+int8_gemm_tma; at M = 1 each gemv tiling with and without dp4a, for the GEMM on int8 rows and
+for the one-row w8a8_gemv with the quantization fused in) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mllmd_kernels._triton import num_sms
+from mllmd_kernels.activation import silu_and_mul
 from mllmd_kernels.bench.common import (
     DEVICE,
     SMOKE,
@@ -46,6 +48,7 @@ from mllmd_kernels.int8_gemm import (
     Int8GemmConfig,
     auto_split,
     int8_gemm,
+    int8_gemm_silu_mul,
     max_shared_memory,
     pick_int8_config,
     w8a8_gemv,
@@ -202,6 +205,11 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
 
         extra = _sweep("w8a8_gemv", name, m, time_calls(fused, sets), cfg8, [c for c in _int8_candidates(1, n, k) if c.mode == "gemv"], fused, sets)
     emit(_line("w8a8", name, m, n, k, t, t16, n * k, copy_gbps, rel_err=err, config=cfg8.__dict__, **extra))
+
+    if m == 1 and name == "gate_up":  # silu(gate) * up in the gemv's epilogue against a second launch
+        t_sep = time_calls(lambda i: silu_and_mul(int8_gemm(qx[i][0], w8[i % sets8], qx[i][1], s8[i % sets8], bf)), sets)
+        t_fused = time_calls(lambda i: int8_gemm_silu_mul(qx[i][0], w8[i % sets8], qx[i][1], s8[i % sets8], bf), sets)
+        emit(_line("int8_gemm_silu_mul", name, m, n, k, t_fused, t16, n * k, copy_gbps, us_two_launches=round(t_sep, 2)))
 
     def gemm8(i: int, c: Int8GemmConfig | None = None) -> torch.Tensor:
         return int8_gemm(qx[i][0], w8[i % sets8], qx[i][1], s8[i % sets8], bf, config=c)
