@@ -77,6 +77,10 @@ class Qwen3MLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
+        if isinstance(x, Int8Rows) and x.q.shape[0] == 1:
+            # W8A8, one row: the gate/up gemv applies silu(gate) * up in its epilogue, and the down
+            # gemv quantizes that row itself (no silu_and_mul launch between them).
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
         h = self.gate_up_proj(x)
         # W8A8 on the GPU: activate and quantize in one launch. Not for one row: silu_and_mul_int8's
         # single program is latency-bound there, and the one-row gemv quantizes its input itself

@@ -13,7 +13,7 @@ import torch
 from mllmd_kernels import dequantize_int4_ref, int8_quant_ref, pack_int4_ref, silu_and_mul, unpack_int4_ref
 from mllmd_kernels.testing import REL_TOL, close_tol, kernel_device, on_gpu, rel_err, skip_reason
 
-from mllmd.models.layers import Linear, MergedLinear, SiluAndMul
+from mllmd.models.layers import Int8Rows, Linear, MergedLinear, SiluAndMul
 from mllmd.models.quantization import (
     LinearScheme,
     QuantLinearKernel,
@@ -237,21 +237,9 @@ def test_triton_kernel_apply_is_cuda_graph_capturable(variant: str) -> None:
             assert torch.equal(out, layer(x)) and not torch.equal(out, eager)
 
 
-@needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the Triton W8A8 kernel the MLP hands its down projection silu_and_mul_int8's int8 rows
-    (one launch instead of two) for several rows, and for one row the activation in the data type
-    (the one-row gemv quantizes it): the same output, bit for bit, as activating then quantizing in
-    the layer either way; the reference kernel keeps the plain path."""
-    import mllmd.models.layers.activation as act_mod
-    import mllmd.models.qwen3 as qwen3_mod
+def _w8a8_mlp(dtype: torch.dtype) -> tuple[Any, int, int]:
+    """A Qwen3MLP of random W8A8 layers on the Triton kernel: (mlp, hidden, intermediate size)."""
     from mllmd.models.qwen3 import Qwen3MLP
-
-    monkeypatch.setattr(act_mod, "fused_kernels", lambda x: True)  # Triton's SiLU on the CPU too
-    calls = []
-    real = qwen3_mod.silu_and_mul_int8
-    monkeypatch.setattr(qwen3_mod, "silu_and_mul_int8", lambda h: calls.append(h.shape[0]) or real(h))
 
     pytest.importorskip("compressed_tensors")
     hidden, inter = 96, 160
@@ -262,6 +250,50 @@ def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeyp
     mlp.down_proj = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TritonW8A8Kernel)
     mlp.act = SiluAndMul()
     assert mlp.down_proj.takes_int8_input
+    return mlp, hidden, inter
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_mlp_one_row_activates_in_the_gate_up_gemv(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row of int8 rows (what rmsnorm_int8 hands the MLP at batch-1 decode): the gate/up gemv
+    applies silu(gate) * up in its epilogue, and the MLP's output equals, bit for bit, the route
+    that stores the gate/up row and activates it in its own launch; several rows keep that route."""
+    from mllmd_kernels import int8_quant
+
+    import mllmd.models.quantization.triton_kernels as tk_mod
+
+    calls = []
+    real = tk_mod.int8_gemm_silu_mul
+    monkeypatch.setattr(tk_mod, "int8_gemm_silu_mul", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    mlp, hidden, inter = _w8a8_mlp(dtype)
+    g = torch.Generator().manual_seed(6)
+    for t in (1, 3):
+        x = Int8Rows(*int8_quant(torch.randn(t, hidden, generator=g).to(dtype=dtype, device=DEVICE)), dtype)
+        with torch.no_grad():
+            fused = mlp(x)
+            plain = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))
+        assert fused.shape == (t, hidden) and fused.dtype == dtype
+        assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
+    assert calls == [1], calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the Triton W8A8 kernel the MLP hands its down projection silu_and_mul_int8's int8 rows
+    (one launch instead of two) for several rows, and for one row the activation in the data type
+    (the one-row gemv quantizes it): the same output, bit for bit, as activating then quantizing in
+    the layer either way; the reference kernel keeps the plain path."""
+    import mllmd.models.layers.activation as act_mod
+    import mllmd.models.qwen3 as qwen3_mod
+
+    monkeypatch.setattr(act_mod, "fused_kernels", lambda x: True)  # Triton's SiLU on the CPU too
+    calls = []
+    real = qwen3_mod.silu_and_mul_int8
+    monkeypatch.setattr(qwen3_mod, "silu_and_mul_int8", lambda h: calls.append(h.shape[0]) or real(h))
+
+    mlp, hidden, inter = _w8a8_mlp(dtype)
     g = torch.Generator().manual_seed(4)
     for t in (1, 5, 70):
         x = torch.randn(t, hidden, generator=g).to(dtype=dtype, device=DEVICE)
@@ -279,7 +311,8 @@ def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeyp
 def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny W8A8 Qwen3 on the Triton kernels: a prefill of several rows routes every qkv and gate/up
     projection through rmsnorm_int8 and every down projection through silu_and_mul_int8, and its logits
-    equal, bit for bit, those of the route that quantizes inside each layer."""
+    equal, bit for bit, those of the route that quantizes inside each layer; greedy decoding (one row
+    a step) gives that route's tokens and top log-probabilities, bit for bit."""
     pytest.importorskip("compressed_tensors")
     import mllmd.models.layers.activation as act_mod
     import mllmd.models.layers.norm as norm_mod
@@ -321,12 +354,18 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers}, calls
     for rid in ("p0", "p1"):
         llm.engine.abort(rid)
+    # Decode steps (one row: the gate/up gemv applies the activation in its epilogue) too.
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
+    fused_out = llm.generate([[5, 17, 300]], greedy)[0]
     monkeypatch.setattr(Linear, "takes_int8_input", property(lambda self: False))
+    calls.update(rmsnorm_int8=0, silu_and_mul_int8=0)
     with torch.no_grad():
         plain = engine_prefill_logits(llm, prompts)
-    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers}, "the plain route used them"
+    for rid in ("p0", "p1"):
+        llm.engine.abort(rid)
+    plain_out = llm.generate([[5, 17, 300]], greedy)[0]
+    assert calls == {"rmsnorm_int8": 0, "silu_and_mul_int8": 0}, "the plain route used them"
     for a, b in zip(fused, plain):
         assert a.shape == b.shape and torch.equal(a, b), "the fused route changed the logits"
-    monkeypatch.undo()
-    out = llm.generate([[5, 17, 300]], SamplingParams(max_tokens=3, temperature=0.0))
-    assert len(out[0].token_ids) == 3
+    assert len(fused_out.token_ids) == 6 and fused_out.token_ids == plain_out.token_ids
+    assert fused_out.top_logprobs == plain_out.top_logprobs, "the fused decode route changed the logits"

@@ -129,6 +129,16 @@ class MergedLinear(Linear):
             raise ValueError(f"unknown shard {shard!r} (expected one of {', '.join(self.shard_offsets)})")
         return self.shard_offsets[shard]
 
+    def forward_silu_mul(self, x: Int8Rows) -> torch.Tensor:
+        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], from int8 rows,
+        in the kernel's own epilogue where it has one (only when takes_int8_input)."""
+        sizes = [size for _, size in self.shard_offsets.values()]
+        if len(sizes) != 2 or sizes[0] != sizes[1]:
+            raise RuntimeError(f"silu_and_mul needs two equal shards, not {sizes}")
+        if self.quant_method is None:
+            raise RuntimeError("int8 rows given to an unquantized layer")
+        return self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
+
     def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> bool:
         """Copy one checkpoint tensor (e.g. k_proj.weight) into its slice of the fused parameter."""
         return self.load_weight(param_name, loaded, shard)

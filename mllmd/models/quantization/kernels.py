@@ -61,6 +61,12 @@ class QuantLinearKernel(ABC):
         """q int8 [T, K] with its per-token scale float32 [T, 1] -> [T, N] out_dtype."""
         raise NotImplementedError(f"{type(self).__name__} takes no int8 activations")
 
+    def apply_int8_silu_mul(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """As apply_int8 for a fused gate/up layer, then silu(gate) * up -> [T, N / 2] out_dtype."""
+        raise NotImplementedError(f"{type(self).__name__} takes no int8 activations")
+
 
 class TorchW8A8Kernel(QuantLinearKernel):
     """Reference: per-token int8 activations, int8 x int8 -> int32 (torch._int_mm, or an exact

@@ -62,6 +62,13 @@ class QuantMethod(ABC):
             raise RuntimeError("quantized layer used before its weights were loaded")
         return self.kernel.apply_int8(layer, q, scale, out_dtype, bias)
 
+    def apply_int8_silu_mul(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.kernel is None:
+            raise RuntimeError("quantized layer used before its weights were loaded")
+        return self.kernel.apply_int8_silu_mul(layer, q, scale, out_dtype, bias)
+
 
 class W8A8Int8Method(QuantMethod):
     """`weight` int8 [N, K] and `weight_scale` float32 [N, 1] (static, symmetric, per channel)."""

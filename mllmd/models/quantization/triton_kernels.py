@@ -7,7 +7,8 @@
   result bit for bit). The int8 weight [N, K] is used as stored (K-major is what int8 MMA wants).
   It also takes activations already quantized by the op before it (`apply_int8`): in Qwen3
   `rmsnorm_int8` feeds the qkv and gate/up projections and `silu_and_mul_int8` the down projection
-  (so only o takes the fused one-row gemv at batch 1).
+  (so only o takes the fused one-row gemv at batch 1). For one row the gate/up gemv also applies
+  silu(gate) * up in its epilogue (`apply_int8_silu_mul`), and down quantizes that row itself.
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches (each layer keeps its own split-K counters, so the last program of a tile
   adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from mllmd_kernels import (
     int8_gemm,
+    int8_gemm_silu_mul,
     prefers_dequant,
     splitk_counter_len,
     triton_available,
@@ -83,6 +85,12 @@ class TritonW8A8Kernel(QuantLinearKernel):
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return int8_gemm(q, layer.weight, scale, layer.weight_scale, out_dtype, bias)
+
+    def apply_int8_silu_mul(
+        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        # One row: one gemv launch whose epilogue applies the activation (no silu_and_mul launch).
+        return int8_gemm_silu_mul(q, layer.weight, scale, layer.weight_scale, out_dtype, bias)
 
 
 class TritonW4A16Kernel(QuantLinearKernel):
