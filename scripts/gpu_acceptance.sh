@@ -32,9 +32,11 @@ build() {  # source out
 
 if want tests; then
   stamp "GPU tests"
-  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -q -rf --tb=short -p no:cacheprovider -o addopts="" --timeout 300 \
+  # -v: every test's name and result reach pytest.log as it finishes (a run stopped by the timeout
+  # still says which tests failed); the console shows the failures and the summary
+  timeout ${TESTS_TIMEOUT:-420} python3 -m pytest -v -rf --tb=short -p no:cacheprovider -o addopts="" --timeout 300 \
     ${GPU_TESTS:-tests/engine/test_gpu.py tests/kernel tests/quantization --ignore=tests/kernel/test_flashinfer_backend.py} \
-    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee "$OUT/pytest.log" | grep -vE '^\.+ *\[' | tail -25
+    ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} 2>&1 | tee "$OUT/pytest.log" | grep -vE ' (PASSED|SKIPPED) +\[' | tail -40
   stamp "pytest rc=${PIPESTATUS[0]}"
 fi
 
