@@ -102,9 +102,13 @@ def _int8_candidates(m: int, n: int, k: int) -> list[Int8GemmConfig]:
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
         out = []
-        if m == 1:  # the gemv: (block_n, block_k, warps, stages), K split for ~2 and ~4 programs per SM
+        if m == 1:  # the gemv: (block_n, block_k, warps, stages), K split for ~2 and ~4 programs per SM.
+            # (16, 2048, 4) and (16, 4096, 8) put every warp along K: on int8 rows their dp4a loop has no
+            # shared-memory exchange of the activation words (Triton 3.6 sm_90 PTX: no bar.sync in the
+            # loop, against two a K step for (16, 1024, 4), the default for qkv and gate_up).
             for bn, bk, warps, stages in [(16, 1024, 4, 1), (16, 2048, 8, 1), (32, 512, 4, 1), (8, 1024, 4, 1),
-                                          (32, 1024, 8, 1), (16, 1024, 4, 3)]:  # fmt: skip
+                                          (32, 1024, 8, 1), (16, 1024, 4, 3), (16, 2048, 4, 1),
+                                          (16, 4096, 8, 1)]:  # fmt: skip
                 tiles = -(-n // bn)
                 splits = {1, auto_split(tiles, k, bk, sms, 2, 2), auto_split(tiles, k, bk, sms, 4, 2)}
                 out += [Int8GemmConfig("gemv", 1, bn, bk, 1, s, warps, stages, dp4a=d)
