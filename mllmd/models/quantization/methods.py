@@ -46,10 +46,13 @@ class QuantMethod(ABC):
         self.kernel = select_kernel(self.scheme, device)
         self.kernel.process_weights(layer)
 
-    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _loaded_kernel(self) -> QuantLinearKernel:
         if self.kernel is None:
             raise RuntimeError("quantized layer used before its weights were loaded")
-        return self.kernel.apply(layer, x, bias)
+        return self.kernel
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._loaded_kernel().apply(layer, x, bias)
 
     @property
     def takes_int8_input(self) -> bool:
@@ -58,16 +61,12 @@ class QuantMethod(ABC):
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.kernel is None:
-            raise RuntimeError("quantized layer used before its weights were loaded")
-        return self.kernel.apply_int8(layer, q, scale, out_dtype, bias)
+        return self._loaded_kernel().apply_int8(layer, q, scale, out_dtype, bias)
 
     def apply_int8_silu_mul(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.kernel is None:
-            raise RuntimeError("quantized layer used before its weights were loaded")
-        return self.kernel.apply_int8_silu_mul(layer, q, scale, out_dtype, bias)
+        return self._loaded_kernel().apply_int8_silu_mul(layer, q, scale, out_dtype, bias)
 
 
 class W8A8Int8Method(QuantMethod):
