@@ -552,8 +552,7 @@ def int8_gemm(
         assert m == 1, f"gemv tiling for {m} rows"
         return _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False)
     assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
-    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = cdiv(k, k_per_split)
+    k_per_split, split = _k_splits(k, cfg)
     part = torch.empty((split, m, n), dtype=torch.int32, device=a.device) if split > 1 else out
     _int8_skinny_kernel[(cdiv(n, cfg.block_n), split)](
         a, b, a_scale, b_scale, bias_arg, out, part, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
@@ -567,6 +566,12 @@ def int8_gemm(
             **pdl_args(a),
         )
     return out
+
+
+def _k_splits(k: int, cfg: Int8GemmConfig) -> tuple[int, int]:
+    """(columns per K split, a multiple of block_k; number of splits) of a decode tiling."""
+    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_per_split, cdiv(k, k_per_split)
 
 
 def _gemv(
@@ -584,8 +589,7 @@ def _gemv(
     assert cfg.block_k >= 16 and cfg.split_k >= 1, cfg
     k = a.shape[1]
     n = b.shape[0]
-    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    split = cdiv(k, k_per_split)
+    k_per_split, split = _k_splits(k, cfg)
     assert not silu_mul or (split == 1 and n % 2 == 0 and cfg.block_n % 2 == 0), "silu_mul: one K split, even N"
     part = torch.empty((split, 1, n), dtype=torch.int32, device=a.device) if split > 1 else out
     if a_scale is None:  # fused: the kernel's scale, kept for the split-K epilogue
@@ -634,7 +638,7 @@ def int8_gemm_silu_mul(
     assert n % 2 == 0, f"a gate/up weight has an even number of rows, not {n}"
     if m == 1 and a.dtype == torch.int8 and b.dtype == torch.int8 and a.stride(1) == 1 and b.stride(1) == 1:
         cfg = config or pick_int8_config(1, n, k, sm_count_for(a), max_shared_memory(a))
-        if cfg.mode == "gemv" and cdiv(k, cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k) == 1:
+        if cfg.mode == "gemv" and _k_splits(k, cfg)[1] == 1:
             assert b.shape[1] == k and a_scale.numel() == 1 and b_scale.numel() == n
             assert a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32
             out = torch.empty((1, n // 2), dtype=out_dtype, device=a.device)
