@@ -61,6 +61,7 @@ from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row
 # 34.6 us a launch), which a shorter prefill, bound by the host, would pay in full.
 # MLLMD_INT8_TMA_MIN_ROWS overrides it (a diagnostic: a large value turns the TMA tiling off).
 TMA_MIN_ROWS = int(os.environ.get("MLLMD_INT8_TMA_MIN_ROWS", "1024"))
+GEMV_WIDE = os.environ.get("MLLMD_INT8_GEMV_WIDE", "")
 GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 TMA_MODES = ("tma", "tma_persistent")
 
@@ -147,6 +148,8 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
         bn = 16
         tiles = cdiv(n, bn)
         bk, warps = (1024, 4) if tiles >= 2 * num_sms else (2048, 8)
+        if tiles >= 2 * num_sms and GEMV_WIDE:  # experiment switch (A/B on the H200): "block_k,warps"
+            bk, warps = (int(v) for v in GEMV_WIDE.split(","))
         bk = min(bk, max(16, next_pow2(k)))
         warps = max(1, min(warps, bn * bk // 512))  # >= 16 columns (one 16-byte load) per thread
         split = auto_split(tiles, k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
