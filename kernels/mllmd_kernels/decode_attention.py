@@ -7,10 +7,7 @@ Two stages (split-KV, as in SGLang/vLLM Triton decode):
   all of its GROUP = Hq / Hkv query heads (padded to BLOCK_H >= 16 rows for tl.dot), walks one
   split of the sequence with an online softmax and writes a normalised partial output and its
   log-sum-exp;
-* the merge of the splits: by default the last stage-1 program of each (request, KV head) to
-  finish merges them itself (an arrival counter per pair, reset by that program), and a request
-  whose history fits one split writes its output directly; so one launch per layer. With
-  `MLLMD_DECODE_MERGE=0`, `_decode_attention_stage2_kernel`, grid (B, Hq), merges them instead.
+* `_decode_attention_stage2_kernel`, grid (B, Hq): merges the splits.
 
 The split length is computed on the device from seq_lens (rounded up to BLOCK_N), so NUM_SPLITS is
 the only launch parameter and the launch is CUDA-graph friendly; empty splits are skipped.
@@ -18,15 +15,9 @@ the only launch parameter and the launch is CUDA-graph friendly; empty splits ar
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
-
-# The splits merged by stage 1's last program (one launch). An experiment switch until the H200
-# A/B decides: MLLMD_DECODE_MERGE=0 launches stage 2 instead.
-MERGE_IN_STAGE1 = os.environ.get("MLLMD_DECODE_MERGE", "1") != "0"
 
 
 def decode_attention_ref(
@@ -62,8 +53,6 @@ def _decode_attention_stage1_kernel(
     seq_lens_ptr,  # [B]
     mid_o_ptr,  # [B, Hq, NUM_SPLITS, D] fp32
     mid_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
-    out_ptr,  # [B, Hq, D] (MERGE)
-    lock_ptr,  # [B, Hkv] int32 arrival counters, 0 between launches (MERGE)
     scale,
     D,
     stride_qb,
@@ -73,15 +62,12 @@ def _decode_attention_stage1_kernel(
     stride_vs,
     stride_vh,
     stride_rt,
-    stride_ob,
-    stride_oh,
     GROUP: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_F32: tl.constexpr,
-    MERGE: tl.constexpr,  # the last program of each (b, kvh) merges the splits (no stage 2)
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)
@@ -91,17 +77,14 @@ def _decode_attention_stage1_kernel(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    n_used = tl.cdiv(seq_len, tl.maximum(split_len, BLOCK_N))  # non-empty splits: 0 .. n_used - 1
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    offs_g = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_g = offs_g < GROUP
-    mask_d = offs_d < D
-    heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
-    out_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    mask_o = mask_g[:, None] & mask_d[None, :]
     if start < end:
+        offs_g = tl.arange(0, BLOCK_H)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_g = offs_g < GROUP
+        mask_d = offs_d < D
+        heads = kvh * GROUP + offs_g  # [BLOCK_H] query heads of this KV head
         q = tl.load(
             q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=mask_g[:, None] & mask_d[None, :], other=0.0,
@@ -133,47 +116,9 @@ def _decode_attention_stage1_kernel(
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
-        rows = (b.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS  # [BLOCK_H] split 0's rows
-        if MERGE:
-            if n_used == 1:  # the whole history in this split: the output itself
-                tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask_o)
-            else:
-                tl.store(mid_o_ptr + (rows + split)[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=mask_o)
-                tl.store(mid_lse_ptr + rows + split, m_i + tl.log(l_i), mask=mask_g)
-                # publish this split (barrier, then the acq_rel atomic); the last to arrive merges
-                tl.debug_barrier()
-                lock = lock_ptr + b * tl.num_programs(1) + kvh
-                if tl.atomic_add(lock, 1, sem="acq_rel") == n_used - 1:
-                    _merge_splits(mid_o_ptr, mid_lse_ptr, rows, n_used, out_ptrs, mask_g, mask_o, offs_d, D, BLOCK_H, BLOCK_D)
-                    tl.atomic_xchg(lock, 0)
-        else:
-            tl.store(mid_o_ptr + (rows + split)[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=mask_o)
-            tl.store(mid_lse_ptr + rows + split, m_i + tl.log(l_i), mask=mask_g)
-    elif MERGE:
-        if (seq_len == 0) & (split == 0):  # a padded batch row: zeros, never NaN
-            tl.store(out_ptrs, tl.zeros((BLOCK_H, BLOCK_D), dtype=out_ptr.dtype.element_ty), mask=mask_o)
-
-
-@triton.jit
-def _merge_splits(
-    mid_o_ptr, mid_lse_ptr, rows, n_used, out_ptrs, mask_g, mask_o, offs_d, D,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """out = the splits' partial outputs weighted by exp(lse), in split order (the same bits
-    whichever program merges). The other programs' partials are read from L2 (.cg)."""
-    m = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
-    den = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-    for s in range(0, n_used):
-        lse = tl.load(mid_lse_ptr + rows + s, mask=mask_g, other=0.0, cache_modifier=".cg")
-        o = tl.load(mid_o_ptr + (rows + s)[:, None] * D + offs_d[None, :], mask=mask_o, other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha[:, None] + o * w[:, None]
-        den = den * alpha + w
-        m = m_new
-    tl.store(out_ptrs, (acc / den[:, None]).to(out_ptrs.dtype.element_ty), mask=mask_o)
+        base = (b.to(tl.int64) * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(mid_o_ptr + base[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=mask_g[:, None] & mask_d[None, :])
+        tl.store(mid_lse_ptr + base, m_i + tl.log(l_i), mask=mask_g)
 
 
 @triton.jit
@@ -228,7 +173,6 @@ def decode_attention(
     num_splits: int | None = None,
     mid_o: torch.Tensor | None = None,  # [B, Hq, num_splits, D] fp32 workspace (reused across layers)
     mid_lse: torch.Tensor | None = None,  # [B, Hq, num_splits] fp32
-    locks: torch.Tensor | None = None,  # [>= B * Hkv] int32 zeros (reused: every launch leaves them 0)
     block_n: int | None = None,  # tiling overrides (benchmarks)
     num_warps: int = 4,
     num_stages: int = 2,
@@ -256,21 +200,13 @@ def decode_attention(
             block_n = 128 if num_splits >= 4 else 64
     block_h = max(16, next_pow2(group))
     dot_f32 = dot_in_fp32(q.dtype)
-    merge = MERGE_IN_STAGE1
-    if merge and locks is None:
-        locks = torch.zeros(bsz * hkv, dtype=torch.int32, device=q.device)
-    elif merge:
-        assert locks.dtype == torch.int32 and locks.numel() >= bsz * hkv, f"{locks.numel()} locks for {bsz * hkv}"
     _decode_attention_stage1_kernel[(bsz, hkv, num_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, out,
-        locks if merge else mid_lse, scale, d,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, scale, d,
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-        req_to_token.stride(0), out.stride(0), out.stride(1),
+        req_to_token.stride(0),
         GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
-        MERGE=merge, num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
-    if merge:
-        return out
     _decode_attention_stage2_kernel[(bsz, hq)](
         mid_o, mid_lse, seq_lens, out, d, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_P2=max(2, next_pow2(num_splits)), BLOCK_N=block_n, BLOCK_D=block_d,

@@ -64,22 +64,3 @@ def test_decode_attention_padded_rows_give_zeros() -> None:
     assert (out[2] == 0).all() and not out.isnan().any()
     ref = decode_attention_ref(q[:2], k_buf.float(), v_buf.float(), table, rows[:2], lens[:2], 0.25)
     assert rel_err(out[:2], ref) < REL_TOL[torch.float16]
-
-
-def test_decode_attention_reuses_its_arrival_counters() -> None:
-    """The splits' merge counts arrivals in a caller's int32 buffer: every launch must leave it at
-    zero, so the next launch (another layer, the next step, another batch) merges again. Three
-    launches share one buffer: several splits per request, one split, several again."""
-    g = torch.Generator().manual_seed(5)
-    locks = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    for seq_lens, splits in [([300, 70, 2], 8), ([40, 9], 4), ([513, 129, 1], 16)]:
-        k_buf, v_buf, table, rows = make_paged_kv(seq_lens, 2, 32, torch.float32, DEVICE, g)
-        bsz = len(seq_lens)
-        q = randn(bsz, 4, 32, dtype=torch.float32, device=DEVICE, gen=g)
-        lens = torch.tensor(seq_lens, device=DEVICE)
-        out = poisoned((bsz, 4, 32), torch.float32, DEVICE)
-        decode_attention(q, k_buf, v_buf, table, rows, lens, 0.2, out=out, num_splits=splits, block_n=32, locks=locks)
-        assert not out.isnan().any(), f"{seq_lens}: some outputs were never written"
-        ref = decode_attention_ref(q, k_buf, v_buf, table, rows, lens, 0.2)
-        assert rel_err(out, ref) < REL_TOL[torch.float32], seq_lens
-        assert int(locks.abs().sum()) == 0, f"{seq_lens}: counters left at {locks.nonzero().flatten().tolist()}"

@@ -21,7 +21,6 @@ class _DecodeMeta:
     num_splits: int
     mid_o: torch.Tensor | None = None  # [B, Hq, splits, D] fp32, allocated by the first layer, reused
     mid_lse: torch.Tensor | None = None  # [B, Hq, splits] fp32
-    locks: torch.Tensor | None = None  # [>= B * Hkv] int32 arrival counters of the splits' merge
 
 
 @dataclass
@@ -31,23 +30,11 @@ class _ExtendMeta:
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self) -> None:
-        # The decode kernel's arrival counters: zeros that every launch leaves at zero, so one buffer
-        # serves every step and every captured graph. Never freed: a graph captured with a buffer
-        # keeps using its memory (the warm-up of the largest batch, outside any capture, makes it).
-        self._locks: list[torch.Tensor] = []
-
-    def _decode_locks(self, n: int, device: torch.device) -> torch.Tensor:
-        if not self._locks or self._locks[-1].numel() < n or self._locks[-1].device != device:
-            self._locks.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-        return self._locks[-1]
-
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.is_decode:
             kv_heads = batch.kv_pool.k_buffer[0].shape[1]
             splits = decode_num_splits(batch.batch_size, kv_heads, sm_count_for(batch.seq_lens))
-            locks = self._decode_locks(batch.batch_size * kv_heads, batch.seq_lens.device)
-            batch.attn_metadata = _DecodeMeta(splits, locks=locks)
+            batch.attn_metadata = _DecodeMeta(splits)
             return
         qo_start = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens  # [B]
         batch.attn_metadata = _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0))
@@ -69,7 +56,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.mid_lse = torch.empty((bsz, hq, meta.num_splits), dtype=torch.float32, device=q.device)
             return decode_attention(
                 q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, scale,
-                num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse, locks=meta.locks,
+                num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse,
             )
         return extend_attention(
             q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
