@@ -153,6 +153,32 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     return _WITH_PDL if pdl_supported(t.device.index or 0) else _NO_PDL
 
 
+# Weight prefetch before the PDL wait: a one-row GEMV's CTAs start while the kernel before it runs
+# (above), and its weights are memory no kernel of the step writes, so they may be read before
+# `griddepcontrol.wait`. `prefetch_l2` asks L2 for the lines of each program's first weight tile
+# there; the loads after the wait then hit L2. MLLMD_GEMV_PREFETCH: how many K steps' tiles (default
+# 1; 0 turns it off): an experiment switch until the H200 A/B decides. Only with PDL (sm90+): without
+# it there is nothing to overlap.
+GEMV_PREFETCH = int(os.environ.get("MLLMD_GEMV_PREFETCH", "1"))
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """`prefetch.global.L2` of the line at each of `ptrs` where `mask` (no data reaches registers)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def prefetch_tile_l2(base, rows, mask_rows, stride_row, col0, n_cols, TILE: tl.constexpr, STEP: tl.constexpr):
+    """prefetch_l2 of columns [col0, col0 + min(TILE, n_cols)) of the given rows of a row-major
+    matrix at `base`: one address every STEP elements (STEP elements = one 128-byte line)."""
+    cols = tl.arange(0, TILE // STEP) * STEP
+    prefetch_l2(base + rows[:, None] * stride_row + (col0 + cols)[None, :], mask_rows[:, None] & (cols < n_cols)[None, :])
+
+
 @triton.jit
 def pdl_sync(USE_PDL: tl.constexpr):
     """With USE_PDL: wait until the previous kernel's writes are visible, then let the next kernel
