@@ -13,7 +13,6 @@ nothing about speed: it points at tilings worth timing (bench_quant --m 1 --swee
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import re
 import sys
@@ -43,31 +42,6 @@ def loop_barriers(ptx: str) -> int:
     return sum(1 for i, line in enumerate(lines) if in_loop[i] and "bar.sync" in line)
 
 
-def compile_gemv(fuse: bool, block_k: int, warps: int, arch: int) -> str:
-    import triton
-    from mllmd_kernels.int8_gemm import _int8_gemv_kernel
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {"a_ptr": "*bf16" if fuse else "*i32", "b_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32",
-           "bias_ptr": "*fp32", "c_ptr": "*bf16", "part_ptr": "*bf16", "N": "i32", "K": "i32",
-           "stride_bn": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
-    consts = dict(BLOCK_N=16, BLOCK_K=block_k, HAS_BIAS=False, IS_SPLIT=False, EVEN_K=True, FUSE_QUANT=fuse,
-                  SCALE_BLOCK=8192, DP4A=True, USE_ASM=True, USE_PDL=False, SILU_MUL=False)  # fmt: skip
-    if "constexprs" in inspect.signature(ASTSource.__init__).parameters:  # Triton 3.3 and newer
-        sig.update(dict.fromkeys(consts, "constexpr"))
-        attrs = {(i,): [["tt.divisibility", 16]] for i in range(11)}  # what a launch specialises on
-        src = ASTSource(fn=_int8_gemv_kernel, signature=sig, constexprs=consts, attrs=attrs)
-    else:  # Triton 3.0 (Orin's): arguments by position
-        from triton.compiler.compiler import AttrsDescriptor
-
-        names = list(inspect.signature(_int8_gemv_kernel.fn).parameters)
-        src = ASTSource(fn=_int8_gemv_kernel, signature={names.index(k): v for k, v in sig.items()},
-                        constants={names.index(k): v for k, v in consts.items()},
-                        attrs=AttrsDescriptor(divisible_by_16=tuple(range(11))))  # fmt: skip
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps}).asm["ptx"]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90)
@@ -75,10 +49,12 @@ def main() -> None:
                    help="BLOCK_N x BLOCK_K x warps (BLOCK_N is 16 here, as pick_int8_config uses)")
     args = p.parse_args()
     sys.path[:0] = [str(ROOT / "kernels"), str(ROOT)]
+    from mllmd_kernels.testing import int8_gemv_ptx
+
     for tiling in args.tilings:
         _, bk, warps = (int(v) for v in tiling.split("x"))
         for fuse in (False, True):
-            ptx = compile_gemv(fuse, bk, warps, args.arch)
+            ptx = int8_gemv_ptx(fuse, bk, warps, args.arch)
             print(json.dumps({"tiling": tiling, "input": "bf16 row, quantized in-kernel" if fuse else "int8 rows",
                               "arch": args.arch, "loop_bar_sync": loop_barriers(ptx),
                               "bar_sync": ptx.count("bar.sync")}))  # fmt: skip

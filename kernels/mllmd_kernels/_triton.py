@@ -155,11 +155,11 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
 
 # Weight prefetch before the PDL wait: a one-row GEMV's CTAs start while the kernel before it runs
 # (above), and its weights are memory no kernel of the step writes, so they may be read before
-# `griddepcontrol.wait`. `prefetch_l2` asks L2 for the lines of each program's first weight tile
-# there; the loads after the wait then hit L2. MLLMD_GEMV_PREFETCH: how many K steps' tiles (default
-# 1; 0 turns it off): an experiment switch until the H200 A/B decides. Only with PDL (sm90+): without
-# it there is nothing to overlap.
-GEMV_PREFETCH = int(os.environ.get("MLLMD_GEMV_PREFETCH", "1"))
+# `griddepcontrol.wait`. `prefetch_tile_l2` asks L2 for the lines of each program's first weight
+# tile there; the loads after the wait then hit L2. Used by the int8 gemv only: on the H200
+# (Qwen3-8B, batch-1 decode, one run each) it took the W8A8 step from 2.727 to 2.709 ms, while the
+# same prefetch in the bf16 gemv took bf16 from 4.127 to 4.309 ms and in the W4A16 gemv from 2.616
+# to 2.632; two K steps' tiles were slower than one (W8A8 2.845 ms).
 
 
 @triton.jit

@@ -20,18 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import (
-    GEMV_PREFETCH,
-    cdiv,
-    dot_in_fp32,
-    next_pow2,
-    pdl_args,
-    pdl_sync,
-    prefetch_tile_l2,
-    sm_count_for,
-    tl,
-    triton,
-)
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -72,11 +61,9 @@ def _gemv_kernel(
     IS_SPLIT: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH_STEP: tl.constexpr = 0,  # > 0, USE_PDL: the first weight tiles into L2 before the wait
-    PREFETCH_TILE: tl.constexpr = 0,  # columns of them
 ):
     """Up to 8 rows of x: fp32 multiply-accumulate over [BLOCK_N, BLOCK_K] weight tiles, one reduction
-    over K at the end. PREFETCH_STEP: weight elements per 128-byte line (`prefetch_tile_l2`)."""
+    over K at the end."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -85,8 +72,6 @@ def _gemv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     k_start = pid_k * K_PER_SPLIT
     k_len = tl.minimum(K_PER_SPLIT, K - k_start)
-    if USE_PDL and PREFETCH_STEP > 0:
-        prefetch_tile_l2(w_ptr, rows_n, mask_n, stride_wn, k_start, k_len, PREFETCH_TILE, PREFETCH_STEP)
     pdl_sync(USE_PDL)
     num_iters = tl.cdiv(k_len, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start + offs_k)[None, :]  # [BLOCK_N, BLOCK_K]
@@ -240,12 +225,6 @@ def with_auto_split(cfg: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig
     return GemvConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
 
 
-def _prefetch_step(block_m: int, block_k: int, elem_bytes: int) -> int:
-    """The one-row kernel's PREFETCH_STEP: weight elements per 128-byte line, 0 for no prefetch."""
-    step = 128 // elem_bytes
-    return step if GEMV_PREFETCH > 0 and block_m == 1 and block_k % step == 0 else 0
-
-
 def gemv(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
@@ -281,8 +260,6 @@ def gemv(
         _gemv_kernel[grid](
             x, weight, out, part, m, n, k, x.stride(0), weight.stride(0), out.stride(0), k_per_split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IS_SPLIT=split > 1, EVEN_K=even_k,
-            PREFETCH_STEP=_prefetch_step(cfg.block_m, cfg.block_k, weight.element_size()),
-            PREFETCH_TILE=GEMV_PREFETCH * cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **pdl_args(x),
         )

@@ -51,7 +51,6 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import (
-    GEMV_PREFETCH,
     cdiv,
     interpreting,
     next_pow2,
@@ -72,7 +71,6 @@ from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row
 # 34.6 us a launch), which a shorter prefill, bound by the host, would pay in full.
 # MLLMD_INT8_TMA_MIN_ROWS overrides it (a diagnostic: a large value turns the TMA tiling off).
 TMA_MIN_ROWS = int(os.environ.get("MLLMD_INT8_TMA_MIN_ROWS", "1024"))
-GEMV_WIDE = os.environ.get("MLLMD_INT8_GEMV_WIDE", "")
 GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 TMA_MODES = ("tma", "tma_persistent")
 
@@ -159,8 +157,6 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
         bn = 16
         tiles = cdiv(n, bn)
         bk, warps = (1024, 4) if tiles >= 2 * num_sms else (2048, 8)
-        if tiles >= 2 * num_sms and GEMV_WIDE:  # experiment switch (A/B on the H200): "block_k:warps"
-            bk, warps = (int(v) for v in GEMV_WIDE.split(":"))
         bk = min(bk, max(16, next_pow2(k)))
         warps = max(1, min(warps, bn * bk // 512))  # >= 16 columns (one 16-byte load) per thread
         split = auto_split(tiles, k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
@@ -419,7 +415,7 @@ def _int8_gemv_kernel(
     USE_ASM: tl.constexpr,  # DP4A: the dp4a instruction (False only in the interpreter)
     USE_PDL: tl.constexpr,
     SILU_MUL: tl.constexpr = False,  # b is a fused gate/up weight [2 D, K]: c [D] = silu(gate) * up (no split)
-    PREFETCH: tl.constexpr = 0,  # USE_PDL: the first PREFETCH K steps' weights into L2 before the wait
+    PREFETCH: tl.constexpr = False,  # USE_PDL: the first K step's weights into L2 before the wait
 ):
     """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row. DP4A: both as
     int32 words, one dp4a per word into acc[BLOCK_N, BLOCK_K // 4]; else both widened to int32 and
@@ -439,9 +435,8 @@ def _int8_gemv_kernel(
         mask_n = pair < N // 2
         offs_n = pair + (i % 2) * (N // 2)
         rows_b = tl.where(mask_n, offs_n, 0).to(tl.int64)
-    if USE_PDL and PREFETCH > 0:  # the first PREFETCH K steps' [BLOCK_N, BLOCK_K] bytes of weights
-        prefetch_tile_l2(b_ptr.to(tl.pointer_type(tl.int8)), rows_b, mask_n, stride_bn, k_start, k_len,
-                         PREFETCH * BLOCK_K, 128)  # fmt: skip
+    if USE_PDL and PREFETCH:  # the first K step's [BLOCK_N, BLOCK_K] bytes of weights (see _triton.py)
+        prefetch_tile_l2(b_ptr.to(tl.pointer_type(tl.int8)), rows_b, mask_n, stride_bn, k_start, k_len, BLOCK_K, 128)
     pdl_sync(USE_PDL)
     offs_k = tl.arange(0, BLOCK_K)
     if FUSE_QUANT:
@@ -625,7 +620,7 @@ def _gemv(
         a, b, a_scale, b_scale, bias_arg, out, part, n, k, b.stride(0) * (4 if dp4a else 1), k_per_split,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1,
         EVEN_K=k % cfg.block_k == 0, FUSE_QUANT=fuse_quant, SCALE_BLOCK=scale_block,
-        DP4A=dp4a, USE_ASM=not interpreting(), SILU_MUL=silu_mul, PREFETCH=GEMV_PREFETCH if cfg.block_k >= 128 else 0,
+        DP4A=dp4a, USE_ASM=not interpreting(), SILU_MUL=silu_mul, PREFETCH=cfg.block_k >= 128,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(a),
     )  # fmt: skip

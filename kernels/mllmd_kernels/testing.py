@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mllmd_kernels._triton import HAS_TRITON, interpreting, triton_available
@@ -79,3 +81,44 @@ def make_paged_kv(
         table[r, :n] = perm[start : start + n]
         start += n
     return k_buf, v_buf, table.to(device), req_rows.to(device)
+
+
+def compile_ptx(
+    kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int, num_warps: int, **options: Any
+) -> str:
+    """PTX of `kernel` compiled offline for sm_`arch` (no GPU needed): `signature` gives the runtime
+    arguments' Triton types ("*i32", "i32"), every pointer and integer taken as 16-divisible, as a
+    launch specialises them. Works with Triton 3.0 (Orin's; arguments by position) and newer."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if "constexprs" in inspect.signature(ASTSource.__init__).parameters:  # Triton 3.3 and newer
+        sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
+        attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(signature))}
+        src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    else:
+        from triton.compiler.compiler import AttrsDescriptor
+
+        names = list(inspect.signature(kernel.fn).parameters)
+        src = ASTSource(fn=kernel, signature={names.index(k): v for k, v in signature.items()},
+                        constants={names.index(k): v for k, v in constexprs.items()},
+                        attrs=AttrsDescriptor(divisible_by_16=tuple(range(len(signature)))))  # fmt: skip
+    target = GPUTarget("cuda", arch, 32)
+    return triton.compile(src, target=target, options={"num_warps": num_warps, **options}).asm["ptx"]
+
+
+def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False) -> str:
+    """PTX of the one-row `_int8_gemv_kernel` as `_gemv` launches it with dp4a (BLOCK_N 16, K a
+    multiple of the block): on int8 rows, or (`fuse`) on a bf16 row it quantizes; `pdl`: a PDL launch
+    (sm90+), with the weight prefetch before the wait."""
+    from mllmd_kernels.int8_gemm import _int8_gemv_kernel
+
+    sig = {"a_ptr": "*bf16" if fuse else "*i32", "b_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32",
+           "bias_ptr": "*fp32", "c_ptr": "*bf16", "part_ptr": "*bf16", "N": "i32", "K": "i32",
+           "stride_bn": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
+    consts = dict(BLOCK_N=16, BLOCK_K=block_k, HAS_BIAS=False, IS_SPLIT=False, EVEN_K=True, FUSE_QUANT=fuse,
+                  SCALE_BLOCK=8192, DP4A=True, USE_ASM=True, USE_PDL=pdl, SILU_MUL=False, PREFETCH=pdl)  # fmt: skip
+    return compile_ptx(_int8_gemv_kernel, sig, consts, arch, warps, **({"launch_pdl": True} if pdl else {}))

@@ -51,18 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import (
-    GEMV_PREFETCH,
-    cdiv,
-    dot_in_fp32,
-    next_pow2,
-    pdl_args,
-    pdl_sync,
-    prefetch_tile_l2,
-    sm_count_for,
-    tl,
-    triton,
-)
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
@@ -315,14 +304,11 @@ def _w4a16_gemv_kernel(
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr = 0,  # USE_PDL: the first PREFETCH K steps' words into L2 before the wait
 ):
     """M == 1: a [BLOCK_N, BLOCK_K / 8] tile of words is 8 nibble planes (plane i: k = 8j + i), each
     multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1."""
     BW: tl.constexpr = BLOCK_K // 8
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
-    if USE_PDL and PREFETCH > 0:  # 32 words = one 128-byte line
-        prefetch_tile_l2(w_ptr, rows_n, mask_n, stride_wn, k_start // 8, tl.cdiv(k_len, 8), PREFETCH * BW, 32)
     pdl_sync(USE_PDL)
     offs_w = tl.arange(0, BW)
     w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
@@ -684,7 +670,7 @@ def w4a16_gemm(
             w_scale.stride(0), w_scale.stride(1), *zs, k_per_split,
             BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_STEPS=0 if groups == 1 else group // bk, HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial, EVEN_K=even_k,
-            NUM_STAGES=cfg.num_stages, PREFETCH=GEMV_PREFETCH if bk % 256 == 0 else 0,
+            NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # the kernel counts on FMAs (Triton 3.10 stops fusing by default)
             **pdl_args(x),

@@ -5,6 +5,7 @@ predecessor's output too early would not)."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -64,6 +65,29 @@ def test_pdl_only_inside_pdl_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError), kt.pdl_launches():
         raise RuntimeError("a failed capture")
     assert kt.pdl_args(gpu_tensor) == {"USE_PDL": False}, "the scope closes on errors too"
+
+
+@pytest.mark.skipif(
+    not _triton_has_launch_pdl() or kt.interpreting(),
+    reason="an offline compile: needs a Triton that launches with PDL (3.4+), not its interpreter",
+)
+@pytest.mark.parametrize(("fuse", "block_k", "warps"), [(False, 1024, 4), (True, 2048, 8)], ids=["int8_rows", "fused"])
+def test_int8_gemv_touches_only_weight_lines_before_the_pdl_wait(fuse: bool, block_k: int, warps: int) -> None:
+    """Under PDL the one-row int8 gemv asks L2 for its first weight tile before griddepcontrol.wait
+    (the weights are written by no kernel of the step). Nothing else may come before the wait: a
+    load of the activations or a store there would race with the kernel before it. Offline sm_90
+    compile: the prefetches precede the wait; no global load, store or atomic does."""
+    from mllmd_kernels.testing import int8_gemv_ptx
+
+    lines = int8_gemv_ptx(fuse, block_k, warps, 90, pdl=True).splitlines()
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    before = lines[:wait]
+    assert sum("prefetch.global.L2" in line for line in before) == block_k * 16 // 128 // (32 * warps), (
+        "one prefetch per 128-byte line of the [16, BLOCK_K] tile, spread over the threads"
+    )
+    early = [line.strip() for line in before if re.search(r"\b(ld|st|atom|red)\.global|\bcp\.async", line)]
+    assert not early, f"global memory accessed before griddepcontrol.wait: {early}"
+    assert not any("prefetch" in line for line in lines[wait:]), "the prefetch belongs before the wait"
 
 
 @pytest.mark.parametrize("capability", [(8, 7), (9, 0)])
