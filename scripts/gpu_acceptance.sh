@@ -99,7 +99,8 @@ if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the
 fi
 
 if want pdlab; then  # batch-1 decode with programmatic dependent launch on and off, bf16 and quantized 8B
-  # PDL_VARIANTS: environments to compare, each a comma-joined list (default "MLLMD_PDL=1 MLLMD_PDL=0");
+  # PDL_VARIANTS: environments to compare, each a comma-joined list, so no value may hold a comma
+  # (default "MLLMD_PDL=1 MLLMD_PDL=0");
   # PDLAB_MODELS: bf16 and / or quantization schemes (default "bf16 W8A8 W4A16")
   build Qwen3-8B $M8
   models=${PDLAB_MODELS:-bf16 W8A8 W4A16}
