@@ -103,7 +103,8 @@ def cdiv(a: int, b: int) -> int:
 # Programmatic dependent launch (PDL, sm90+): a kernel launched with Triton's `launch_pdl` may start
 # while the previous kernel in the stream is still running; it must wait for that kernel's results
 # (`griddepcontrol.wait`) before it reads or writes global memory. Every kernel with a USE_PDL
-# constexpr calls `pdl_sync` before its first global access and takes its launch arguments from
+# constexpr calls `pdl_sync` before its first global access (the one exception: the int8 gemv's L2
+# prefetch of its weights, below, which no kernel writes) and takes its launch arguments from
 # `pdl_args`, which sets USE_PDL and launch_pdl together: a PDL launch without the wait would race.
 # The launch overlaps a kernel's start (launch, block scheduling, address setup) with the tail of the
 # one before it, which a batch-1 decode step of ~400 short kernels pays once per kernel.
