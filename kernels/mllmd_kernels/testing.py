@@ -86,9 +86,17 @@ def make_paged_kv(
 def compile_ptx(
     kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int, num_warps: int, **options: Any
 ) -> str:
-    """PTX of `kernel` compiled offline for sm_`arch` (no GPU needed): `signature` gives the runtime
-    arguments' Triton types ("*i32", "i32"), every pointer and integer taken as 16-divisible, as a
-    launch specialises them. Works with Triton 3.0 (Orin's; arguments by position) and newer."""
+    """PTX of `kernel` compiled offline for sm_`arch` (see compile_asm)."""
+    return compile_asm(kernel, signature, constexprs, arch, num_warps, **options)["ptx"]
+
+
+def compile_asm(
+    kernel: Any, signature: dict[str, str], constexprs: dict[str, Any], arch: int, num_warps: int, **options: Any
+) -> dict[str, Any]:
+    """Every stage of `kernel` compiled offline for sm_`arch` (no GPU needed): "ttgir", "ptx",
+    "cubin", ...; `signature` gives the runtime arguments' Triton types ("*i32", "i32"), every pointer
+    and integer taken as 16-divisible, as a launch specialises them. Works with Triton 3.0 (Orin's;
+    arguments by position) and newer."""
     import inspect
 
     import triton
@@ -107,7 +115,7 @@ def compile_ptx(
                         constants={names.index(k): v for k, v in constexprs.items()},
                         attrs=AttrsDescriptor(divisible_by_16=tuple(range(len(signature)))))  # fmt: skip
     target = GPUTarget("cuda", arch, 32)
-    return triton.compile(src, target=target, options={"num_warps": num_warps, **options}).asm["ptx"]
+    return triton.compile(src, target=target, options={"num_warps": num_warps, **options}).asm
 
 
 def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False) -> str:
