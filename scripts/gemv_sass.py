@@ -90,18 +90,12 @@ def w4a16_gemv(n: int, k: int, group: int, arch: int) -> dict[str, Any]:
 
 
 def int8_gemv(arch: int) -> dict[str, Any]:
-    from mllmd_kernels.int8_gemm import _int8_gemv_kernel
-    from mllmd_kernels.testing import compile_asm
+    from mllmd_kernels.testing import int8_gemv_asm
 
-    block_n, block_k, warps = 16, 1024, 4
-    sig = {"a_ptr": "*i32", "b_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32", "bias_ptr": "*fp32",
-           "c_ptr": "*bf16", "part_ptr": "*bf16", "N": "i32", "K": "i32", "stride_bn": "i32", "K_PER_SPLIT": "i32"}
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False, IS_SPLIT=False, EVEN_K=True, FUSE_QUANT=False,
-                  SCALE_BLOCK=8192, DP4A=True, USE_ASM=True, USE_PDL=False, SILU_MUL=False, PREFETCH=False)  # fmt: skip
-    asm = compile_asm(_int8_gemv_kernel, sig, consts, arch, warps)
-    per_thread = block_n * block_k // (32 * warps)
-    tiling = f"{block_n}x{block_k} {warps} warps (int8 rows)"
-    return {"kernel": "int8_gemv", "tiling": tiling, **loop_report(main_loop(disassemble(asm["cubin"])), per_thread)}
+    block_k, warps = 1024, 4  # the dp4a tiling of the one-row int8 gemv on int8 rows
+    asm = int8_gemv_asm(False, block_k, warps, arch)
+    report = loop_report(main_loop(disassemble(asm["cubin"])), 16 * block_k // (32 * warps))
+    return {"kernel": "int8_gemv", "tiling": f"16x{block_k} {warps} warps (int8 rows)", **report}
 
 
 def main() -> None:

@@ -119,7 +119,12 @@ def compile_asm(
 
 
 def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False) -> str:
-    """PTX of the one-row `_int8_gemv_kernel` as `_gemv` launches it with dp4a (BLOCK_N 16, K a
+    """PTX of the one-row `_int8_gemv_kernel` (see int8_gemv_asm)."""
+    return int8_gemv_asm(fuse, block_k, warps, arch, pdl)["ptx"]
+
+
+def int8_gemv_asm(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False) -> dict[str, Any]:
+    """The one-row `_int8_gemv_kernel` compiled as `_gemv` launches it with dp4a (BLOCK_N 16, K a
     multiple of the block): on int8 rows, or (`fuse`) on a bf16 row it quantizes; `pdl`: a PDL launch
     (sm90+), with the weight prefetch before the wait."""
     from mllmd_kernels.int8_gemm import _int8_gemv_kernel
@@ -129,4 +134,4 @@ def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = F
            "stride_bn": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
     consts = dict(BLOCK_N=16, BLOCK_K=block_k, HAS_BIAS=False, IS_SPLIT=False, EVEN_K=True, FUSE_QUANT=fuse,
                   SCALE_BLOCK=8192, DP4A=True, USE_ASM=True, USE_PDL=pdl, SILU_MUL=False, PREFETCH=pdl)  # fmt: skip
-    return compile_ptx(_int8_gemv_kernel, sig, consts, arch, warps, **({"launch_pdl": True} if pdl else {}))
+    return compile_asm(_int8_gemv_kernel, sig, consts, arch, warps, **({"launch_pdl": True} if pdl else {}))
