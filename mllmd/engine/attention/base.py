@@ -38,6 +38,13 @@ class AttentionBackend(ABC):
         """Store k/v at batch.out_cache_loc in layer `layer_id` (unless the caller already did:
         `kv_stored`), then return attention output."""
 
+    @staticmethod
+    def store_kv(layer_id: int, batch: ForwardBatch, k: torch.Tensor | None, v: torch.Tensor | None, kv_stored: bool) -> None:
+        """forward's first step: k/v into the pool at batch.out_cache_loc, unless the caller did (kv_stored)."""
+        if not kv_stored:
+            assert k is not None and v is not None, "k and v are needed unless kv_stored"
+            batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+
     def kv_cache_target(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Where `forward` stores this step's K/V: (k_cache [S, Hkv, D], v_cache, slots [T] int64), for a
         kernel that writes them itself (the fused RoPE) and then calls forward with kv_stored=True."""
