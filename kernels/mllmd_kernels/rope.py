@@ -4,6 +4,9 @@ with Qwen3's per-head QK RMSNorm (as mllmd/models/layers/norm.py applied over he
 One program per (token, block of up to 8 heads of q or of k): it reads each head's row once,
 normalises it (if norm weights are given) and rotates it, rounding at the same points as the torch modules so that bf16/fp16 results
 match them (up to fp32 rounding of the norm statistics).
+
+Given the KV pool's layer caches and the tokens' slots, the k programs write the rotated k and the
+token's v straight into the caches (what `store_cache` would do next, without its launch).
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ def _rope_kernel(
     q_ptr,  # [T, Hq, D]
     k_ptr,  # [T, Hkv, D]
     q_out_ptr,  # [T, Hq, D]
-    k_out_ptr,  # [T, Hkv, D]
+    k_out_ptr,  # [T, Hkv, D] (STORE_KV: the K cache [S, Hkv, D], row loc[t])
+    v_ptr,  # [T, Hkv, D] (STORE_KV)
+    v_cache_ptr,  # [S, Hkv, D] (STORE_KV)
+    loc_ptr,  # [T] int64 cache slot of each token (STORE_KV)
     cos_ptr,  # [P, D] fp32
     sin_ptr,  # [P, D] fp32
     qw_ptr,  # [D] (HAS_NORM)
@@ -59,12 +65,16 @@ def _rope_kernel(
     stride_kh,
     stride_qot,
     stride_qoh,
-    stride_kot,
+    stride_kot,  # STORE_KV: the K cache's slot stride
     stride_koh,
+    stride_vt,
+    stride_vh,
+    stride_vc,  # the V cache's slot stride
     stride_cos,
     stride_sin,
     eps,
     HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -86,7 +96,10 @@ def _rope_kernel(
         num_heads = Hkv
         src = k_ptr + t * stride_kt
         src_h = stride_kh
-        dst = k_out_ptr + t * stride_kot
+        if STORE_KV:
+            dst = k_out_ptr + tl.load(loc_ptr + t) * stride_kot
+        else:
+            dst = k_out_ptr + t * stride_kot
         dst_h = stride_koh
         w_ptr = kw_ptr
     heads = h0 + tl.arange(0, BLOCK_HEADS)  # [BLOCK_HEADS]
@@ -97,6 +110,12 @@ def _rope_kernel(
     dst_ptrs = dst + heads[:, None] * dst_h + offs[None, :]
     x1 = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)  # first halves
     x2 = tl.load(src_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)  # second halves
+    if STORE_KV:
+        if j >= q_blocks:  # the same heads of v, unchanged, into the V cache
+            v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+            v_dst = v_cache_ptr + tl.load(loc_ptr + t) * stride_vc + heads[:, None] * dst_h + offs[None, :]  # rows of D
+            tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
     if HAS_NORM:
         var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)  # [BLOCK_HEADS]
         rstd = tl.rsqrt(var + eps)[:, None]
@@ -135,8 +154,13 @@ def rope(
     eps: float = 1e-6,
     q_out: torch.Tensor | None = None,  # [T, Hq, D]; may be q itself (in place)
     k_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton RoPE (+ QK-norm when both norm weights are given); same results as rope_ref."""
+    kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton RoPE (+ QK-norm when both norm weights are given); same results as rope_ref.
+
+    `kv_cache` = (v [T, Hkv, D], k_cache [S, Hkv, D], v_cache, loc [T] int64): write the rotated k to
+    k_cache[loc] and v to v_cache[loc] (as `store_cache` would) instead of returning k; the second
+    result is then None. k_cache must have the dtype rope returns."""
     assert (q_norm_weight is None) == (k_norm_weight is None), "give both QK-norm weights or neither"
     t, hq, d = q.shape
     hkv = k.shape[1]
@@ -145,8 +169,18 @@ def rope(
     out_dtype = torch.promote_types(q.dtype, q_norm_weight.dtype) if has_norm else q.dtype  # type: ignore[union-attr]
     if q_out is None:
         q_out = torch.empty((t, hq, d), dtype=out_dtype, device=q.device)
-    if k_out is None:
-        k_out = torch.empty((t, hkv, d), dtype=out_dtype, device=k.device)
+    if kv_cache is not None:
+        assert k_out is None, "give k_out or kv_cache, not both"
+        v, k_cache, v_cache, loc = kv_cache
+        assert k_cache.dtype == out_dtype, f"a {k_cache.dtype} K cache for {out_dtype} keys"
+        assert v.shape == k.shape and v.stride(2) == 1 and loc.shape == (t,)
+        for cache in (k_cache, v_cache):
+            assert cache.shape[1:] == (hkv, d) and cache.stride(2) == 1 and cache.stride(1) == d, "cache rows must be contiguous"
+        k_dst, v_strides, vc_stride = k_cache, (v.stride(0), v.stride(1)), v_cache.stride(0)
+    else:
+        if k_out is None:
+            k_out = torch.empty((t, hkv, d), dtype=out_dtype, device=k.device)
+        v, v_cache, loc, k_dst, v_strides, vc_stride = k, k, positions, k_out, (0, 0), 0
     if t == 0:
         return q_out, k_out
     qw = q_norm_weight if has_norm else cos_cache
@@ -156,11 +190,11 @@ def rope(
     block_heads = min(next_pow2(max(hq, hkv)), max(1, 512 // block))
     grid = (t, cdiv(hq, block_heads) + cdiv(hkv, block_heads))
     _rope_kernel[grid](
-        positions, q, k, q_out, k_out, cos_cache, sin_cache, qw, kw, hq, hkv, half,
+        positions, q, k, q_out, k_dst, v, v_cache, loc, cos_cache, sin_cache, qw, kw, hq, hkv, half,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
+        q_out.stride(0), q_out.stride(1), k_dst.stride(0), k_dst.stride(1), *v_strides, vc_stride,
         cos_cache.stride(0), sin_cache.stride(0), eps,
-        HAS_NORM=has_norm, BLOCK_HEADS=block_heads, BLOCK=block, num_warps=4 if block_heads * block >= 512 else 1,
-        **pdl_args(q),
-    )
+        HAS_NORM=has_norm, STORE_KV=kv_cache is not None, BLOCK_HEADS=block_heads, BLOCK=block,
+        num_warps=4 if block_heads * block >= 512 else 1, **pdl_args(q),
+    )  # fmt: skip
     return q_out, k_out

@@ -6,6 +6,7 @@ through the step's attention backend, which reads and writes the paged KV pool.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +18,10 @@ from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.models.layers import Int8Rows, Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
 from mllmd.models.layers.dispatch import fused_kernels, use_gemv
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
+
+# A/B switch while the fused RoPE + KV store is timed on a GPU: MLLMD_ROPE_STORE_KV=0 stores with
+# store_cache's own launch, as before.
+ROPE_STORES_KV = os.environ.get("MLLMD_ROPE_STORE_KV", "1") != "0"
 
 
 class Qwen3Attention(nn.Module):
@@ -52,15 +57,22 @@ class Qwen3Attention(nn.Module):
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # views into qkv
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        if fused_kernels(qkv):  # QK-norm and RoPE in one Triton kernel
+        backend = batch.attn_backend
+        if fused_kernels(qkv):  # QK-norm and RoPE in one Triton kernel, which also writes k and v to the KV pool
             rot = self.rotary_emb
+            k_cache, v_cache, loc = backend.kv_cache_target(self.layer_id, batch)
+            stores = ROPE_STORES_KV and k_cache.dtype == torch.promote_types(q.dtype, self.q_norm.weight.dtype)
             q, k = rope(
                 positions, q, k, rot.cos_cache, rot.sin_cache,
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-            )
+                kv_cache=(v, k_cache, v_cache, loc) if stores else None,
+            )  # fmt: skip
+            if stores:
+                k = v = None
         else:
+            stores = False
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        out = batch.attn_backend.forward(q, k, v, self.layer_id, self.scale, batch)  # [T, Hq, D]
+        out = backend.forward(q, k, v, self.layer_id, self.scale, batch, kv_stored=stores)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mllmd_kernels import rope, rope_ref
+from mllmd_kernels import rope, rope_ref, store_cache
 from mllmd_kernels.testing import (
     DTYPES_WITH_FP32,
     close_tol,
@@ -79,3 +79,42 @@ def test_rope_in_place() -> None:
     rope(pos, q, k, rot.cos_cache, rot.sin_cache, q_out=q, k_out=k)
     torch.testing.assert_close(q, exp_q, **close_tol(torch.float16))
     torch.testing.assert_close(k, exp_k, **close_tol(torch.float16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rope_writes_k_and_v_into_the_kv_cache_like_store_cache(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    """With kv_cache, the rotated k and the unchanged v land in the cache rows `loc`, bit for bit what
+    rope followed by store_cache writes there; q is unchanged; no other cache row is touched."""
+    t, hq, hkv, d = shape
+    g = torch.Generator().manual_seed(t * 7 + hq + d)
+    rot = _rotary(d).to(DEVICE)
+    positions = torch.randint(0, 4096, (t,), generator=g).to(DEVICE)
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype, device=DEVICE, gen=g, scale=2.0)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    qw = randn(d, dtype=dtype, device=DEVICE, gen=g, scale=0.1) + 1
+    kw = randn(d, dtype=dtype, device=DEVICE, gen=g, scale=0.1) + 1
+    slots = t + 5
+    loc = torch.randperm(slots, generator=g)[:t].to(DEVICE)
+    k_cache, v_cache = poisoned((slots, hkv, d), dtype, DEVICE), poisoned((slots, hkv, d), dtype, DEVICE)
+    exp_k_cache, exp_v_cache = k_cache.clone(), v_cache.clone()
+    exp_q, exp_k = rope(positions, q, k, rot.cos_cache, rot.sin_cache, qw, kw, 1e-6)
+    store_cache(exp_k_cache, exp_v_cache, loc, exp_k, v)
+    got_q, got_k = rope(positions, q, k, rot.cos_cache, rot.sin_cache, qw, kw, 1e-6, kv_cache=(v, k_cache, v_cache, loc))
+    assert got_k is None
+    assert torch.equal(got_q, exp_q)
+    assert torch.equal(k_cache[loc], exp_k_cache[loc]) and torch.equal(v_cache[loc], exp_v_cache[loc])
+    assert torch.equal(k_cache[loc], exp_k) and torch.equal(v_cache[loc], v)
+    untouched = torch.ones(slots, dtype=torch.bool)
+    untouched[loc.cpu()] = False
+    assert k_cache[untouched.to(DEVICE)].isnan().all() and v_cache[untouched.to(DEVICE)].isnan().all()
+
+
+def test_rope_kv_cache_needs_the_output_dtype() -> None:
+    rot = _rotary(16).to(DEVICE)
+    q, k = torch.zeros(1, 4, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE)
+    caches = torch.zeros(3, 2, 16, dtype=torch.float16, device=DEVICE)
+    loc = torch.tensor([1], device=DEVICE)
+    with pytest.raises(AssertionError, match="K cache"):
+        rope(torch.tensor([0], device=DEVICE), q, k, rot.cos_cache, rot.sin_cache, kv_cache=(k, caches, caches, loc))

@@ -64,3 +64,31 @@ def test_triton_backend_under_the_interpreter(qwen3_tied: Path) -> None:
         assert type(llm.engine.runner.attn_backend).__name__.lower().startswith(backend)
         results[backend] = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert results["triton"] == results["torch"]
+
+
+@pytest.mark.skipif(not HAS_TRITON or not (GPU or interpreting()), reason="needs CUDA or the Triton interpreter")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_rope_kernel_writes_the_kv_pool_for_the_backend(qwen3_tied: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fused RoPE kernel writes each step's K/V into the pool itself (no store_cache launch); the
+    backend then only attends. Greedy tokens and top log-probabilities over prefill chunks, radix hits
+    and decode steps equal, bit for bit, the route where the backend stores K/V."""
+    import mllmd.models.qwen3 as qwen3_mod
+    from mllmd.engine.memory import KVPool
+
+    device = "cuda" if GPU else "cpu"
+    monkeypatch.setattr(qwen3_mod, "fused_kernels", lambda x: True)  # the interpreter's RoPE on the CPU
+    stores = []
+    real_store = KVPool.store
+    monkeypatch.setattr(KVPool, "store", lambda self, *a: stores.append(a[0]) or real_store(self, *a))
+    prompts = _tokenize(qwen3_tied)[1:4]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(qwen3_mod, "ROPE_STORES_KV", fused)
+        stores.clear()
+        llm = LLM(str(qwen3_tied), device=device, dtype="float32", attention_backend=backend, **CHUNK7)
+        outs = llm.generate(prompts, greedy) + llm.generate(prompts[:1], greedy)  # the second: a radix hit
+        assert outs[-1].cached_tokens > 0 and llm.engine.is_idle_and_clean()
+        results[fused] = [(o.token_ids, o.top_logprobs) for o in outs]
+        assert (len(stores) == 0) == fused, f"{len(stores)} store_cache calls with fused={fused}"
+    assert results[True] == results[False]

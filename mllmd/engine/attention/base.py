@@ -28,10 +28,25 @@ class AttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor | None,  # [T, Hkv, D] (None with kv_stored)
+        v: torch.Tensor | None,  # [T, Hkv, D] (None with kv_stored)
         layer_id: int,
         scale: float,
         batch: ForwardBatch,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Store k/v at batch.out_cache_loc in layer `layer_id`, then return attention output."""
+        """Store k/v at batch.out_cache_loc in layer `layer_id` (unless the caller already did:
+        `kv_stored`), then return attention output."""
+
+    @staticmethod
+    def store_kv(layer_id: int, batch: ForwardBatch, k: torch.Tensor | None, v: torch.Tensor | None, kv_stored: bool) -> None:
+        """forward's first step: k/v into the pool at batch.out_cache_loc, unless the caller did (kv_stored)."""
+        if not kv_stored:
+            assert k is not None and v is not None, "k and v are needed unless kv_stored"
+            batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+
+    def kv_cache_target(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where `forward` stores this step's K/V: (k_cache [S, Hkv, D], v_cache, slots [T] int64), for a
+        kernel that writes them itself (the fused RoPE) and then calls forward with kv_stored=True."""
+        pool = batch.kv_pool
+        return pool.k_buffer[layer_id], pool.v_buffer[layer_id], batch.out_cache_loc

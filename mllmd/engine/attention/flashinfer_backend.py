@@ -93,10 +93,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         batch.attn_metadata = _Meta(self._prefill, False)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
+        batch: ForwardBatch, kv_stored: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        self.store_kv(layer_id, batch, k, v, kv_stored)
         pool = batch.kv_pool
-        pool.store(layer_id, batch.out_cache_loc, k, v)
         k_cache = pool.k_buffer[layer_id].unsqueeze(1)  # [S, page=1, Hkv, D]
         v_cache = pool.v_buffer[layer_id].unsqueeze(1)
         meta: _Meta = batch.attn_metadata

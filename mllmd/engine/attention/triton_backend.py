@@ -40,10 +40,11 @@ class TritonAttentionBackend(AttentionBackend):
         batch.attn_metadata = _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0))
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
+        batch: ForwardBatch, kv_stored: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        self.store_kv(layer_id, batch, k, v, kv_stored)
         pool = batch.kv_pool
-        pool.store(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
         table = batch.req_to_token_pool.req_to_token
         meta = batch.attn_metadata
