@@ -257,15 +257,19 @@ def _w8a8_mlp(dtype: torch.dtype) -> tuple[Any, int, int]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w8a8_mlp_one_row_activates_in_the_gate_up_gemv(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """One row of int8 rows (what rmsnorm_int8 hands the MLP at batch-1 decode): the gate/up gemv
-    applies silu(gate) * up in its epilogue, and the MLP's output equals, bit for bit, the route
-    that stores the gate/up row and activates it in its own launch; several rows keep that route."""
+    applies silu(gate) * up in its epilogue and writes max|output| partials, from which the down
+    gemv takes its scale; the MLP's output equals, bit for bit, the route that stores the gate/up
+    row and activates it in its own launch; several rows keep that route."""
     from mllmd_kernels import int8_quant
 
     import mllmd.models.quantization.triton_kernels as tk_mod
 
-    calls = []
-    real = tk_mod.int8_gemm_silu_mul
-    monkeypatch.setattr(tk_mod, "int8_gemm_silu_mul", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    calls, down_parts = [], []
+    real, real_linear = tk_mod.int8_gemm_silu_mul_amax, tk_mod.w8a8_linear
+    monkeypatch.setattr(tk_mod, "int8_gemm_silu_mul_amax",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(tk_mod, "w8a8_linear",
+                        lambda x, *a, **kw: down_parts.append(kw.get("amax_parts") is not None) or real_linear(x, *a, **kw))  # fmt: skip
     mlp, hidden, inter = _w8a8_mlp(dtype)
     g = torch.Generator().manual_seed(6)
     for t in (1, 3):
@@ -276,6 +280,7 @@ def test_w8a8_mlp_one_row_activates_in_the_gate_up_gemv(dtype: torch.dtype, monk
         assert fused.shape == (t, hidden) and fused.dtype == dtype
         assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
     assert calls == [1], calls
+    assert down_parts[0] is tk_mod.AMAX_PARTS, "the one-row down gemv takes the gate/up gemv's partials"
 
 
 @needs_kernels

@@ -63,9 +63,17 @@ class QuantLinearKernel(ABC):
 
     def apply_int8_silu_mul(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """As apply_int8 for a fused gate/up layer, then silu(gate) * up -> [T, N / 2] out_dtype."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As apply_int8 for a fused gate/up layer, then silu(gate) * up -> [T, N / 2] out_dtype; and,
+        where the kernel has them, float32 partials whose max is max|output| (else None)."""
         raise NotImplementedError(f"{type(self).__name__} takes no int8 activations")
+
+    def apply_with_amax(
+        self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """apply() for an x whose max|x| partials the op before wrote (apply_int8_silu_mul's): a kernel
+        that quantizes x itself may take its scale from them. By default: apply()."""
+        return self.apply(layer, x, bias)
 
 
 class TorchW8A8Kernel(QuantLinearKernel):
