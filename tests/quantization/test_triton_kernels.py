@@ -326,8 +326,10 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
 
     from .test_numerics import engine_prefill_logits
 
+    # the triton attention backend (the interpreter's on the CPU): its decode kernel writes the max|out|
+    # partials the o projection takes its scale from
     llm = LLM(str(quantized("w8a8")), dtype="bfloat16", device=str(DEVICE), chunked_prefill_size=0,
-              disable_radix_cache=True, max_total_tokens=512)
+              disable_radix_cache=True, max_total_tokens=512, attention_backend="triton")
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is not None]
     for layer in layers:
@@ -335,7 +337,7 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
             kernel = TritonW8A8Kernel(layer.quant_method.scheme)
             kernel.process_weights(layer)
             layer.quant_method.kernel = kernel
-    calls = {"rmsnorm_int8": 0, "silu_and_mul_int8": 0}
+    calls = {"rmsnorm_int8": 0, "silu_and_mul_int8": 0, "apply_with_amax": 0}
 
     def spy(mod: Any, name: str) -> None:
         real = getattr(mod, name)
@@ -348,6 +350,7 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
 
     spy(norm_mod, "rmsnorm_int8")
     spy(qwen3_mod, "silu_and_mul_int8")
+    spy(TritonW8A8Kernel, "apply_with_amax")
     # the plain route's norms and SiLU on the Triton kernels too (the CPU would take torch's): both
     # routes then quantize the same values
     monkeypatch.setattr(norm_mod, "fused_kernels", lambda x: True)
@@ -356,20 +359,25 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     with torch.no_grad():
         fused = engine_prefill_logits(llm, prompts)
     n_layers = len(model.model.layers)
-    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers}, calls
+    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers, "apply_with_amax": 0}, calls
     for rid in ("p0", "p1"):
         llm.engine.abort(rid)
-    # Decode steps (one row: the gate/up gemv applies the activation in its epilogue) too.
+    # Decode steps (one row: the gate/up gemv applies the activation in its epilogue, and o and down
+    # take their scales from the attention's and the gate/up gemv's max|out| partials) too.
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
     fused_out = llm.generate([[5, 17, 300]], greedy)[0]
+    if TritonW8A8Kernel.takes_amax:  # MLLMD_W8A8_AMAX=0 turns the partials off
+        steps = calls["apply_with_amax"] // (2 * n_layers)
+        assert steps >= 5 and calls["apply_with_amax"] == 2 * n_layers * steps, calls
     monkeypatch.setattr(Linear, "takes_int8_input", property(lambda self: False))
-    calls.update(rmsnorm_int8=0, silu_and_mul_int8=0)
+    monkeypatch.setattr(Linear, "takes_amax", property(lambda self: False))
+    calls.update(rmsnorm_int8=0, silu_and_mul_int8=0, apply_with_amax=0)
     with torch.no_grad():
         plain = engine_prefill_logits(llm, prompts)
     for rid in ("p0", "p1"):
         llm.engine.abort(rid)
     plain_out = llm.generate([[5, 17, 300]], greedy)[0]
-    assert calls == {"rmsnorm_int8": 0, "silu_and_mul_int8": 0}, "the plain route used them"
+    assert calls == {"rmsnorm_int8": 0, "silu_and_mul_int8": 0, "apply_with_amax": 0}, "the plain route used them"
     for a, b in zip(fused, plain):
         assert a.shape == b.shape and torch.equal(a, b), "the fused route changed the logits"
     assert len(fused_out.token_ids) == 6 and fused_out.token_ids == plain_out.token_ids

@@ -35,3 +35,11 @@ class AttentionBackend(ABC):
         batch: ForwardBatch,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Store k/v at batch.out_cache_loc in layer `layer_id`, then return attention output."""
+
+    def forward_with_amax(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scale: float, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward(), and for a decode step of one row, float32 partials whose max is max|output|
+        where the backend's kernel writes them (else None): a W8A8 output projection that quantizes
+        the row in its own launch takes its scale from them instead of reading the row twice."""
+        return self.forward(q, k, v, layer_id, scale, batch), None

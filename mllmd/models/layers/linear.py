@@ -81,6 +81,12 @@ class Linear(nn.Module):
         it may quantize them in its own launch and pass `Int8Rows` to forward()."""
         return self.quant_method is not None and self.quant_method.takes_int8_input
 
+    @property
+    def takes_amax(self) -> bool:
+        """The layer's kernel quantizes its input itself and can take the scale from max|x| partials
+        the op before wrote (`RowsWithAmax`), so that op may write them."""
+        return self.quant_method is not None and self.quant_method.takes_amax
+
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         """(first output row, row count) of a checkpoint shard; the whole layer for None."""
         if shard is not None:

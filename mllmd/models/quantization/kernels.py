@@ -54,6 +54,8 @@ class QuantLinearKernel(ABC):
 
     # Kernels that set this take activations the op before them quantized per token (apply_int8).
     takes_int8_input: bool = False
+    # Kernels that set this take max|x| partials the op before wrote (apply_with_amax).
+    takes_amax: bool = False
 
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None

@@ -58,6 +58,10 @@ class QuantMethod(ABC):
     def takes_int8_input(self) -> bool:
         return self.kernel is not None and self.kernel.takes_int8_input
 
+    @property
+    def takes_amax(self) -> bool:
+        return self.kernel is not None and self.kernel.takes_amax
+
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
     ) -> torch.Tensor:

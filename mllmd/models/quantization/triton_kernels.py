@@ -9,7 +9,8 @@
   `rmsnorm_int8` feeds the qkv and gate/up projections and `silu_and_mul_int8` the down projection
   (so only o takes the fused one-row gemv at batch 1). For one row the gate/up gemv also applies
   silu(gate) * up in its epilogue (`apply_int8_silu_mul`), and down quantizes that row itself,
-  its scale from the max|output| partials the gate/up gemv wrote (`apply_with_amax`).
+  its scale from the max|output| partials the gate/up gemv wrote (`apply_with_amax`); o takes its
+  scale likewise from the decode attention's partials.
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches (each layer keeps its own split-K counters, so the last program of a tile
   adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
@@ -47,8 +48,9 @@ from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel
 if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
 
-# The one-row gate/up gemv writes max|output| partials for the down gemv's scale. An experiment
-# switch (MLLMD_W8A8_AMAX=0: down reads its input row twice, as before) until the H200 A/B decides.
+# One row: the gate/up gemv and the decode attention write max|output| partials for the down and o
+# gemvs' scales. An experiment switch (MLLMD_W8A8_AMAX=0: those gemvs read their input row twice,
+# as before) until the H200 A/B decides.
 AMAX_PARTS = os.environ.get("MLLMD_W8A8_AMAX", "1") != "0"
 
 
@@ -86,6 +88,7 @@ class TritonW8A8Kernel(QuantLinearKernel):
         return out.reshape(*x.shape[:-1], layer.weight.shape[0])
 
     takes_int8_input = True
+    takes_amax = AMAX_PARTS
 
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
