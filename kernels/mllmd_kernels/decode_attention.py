@@ -127,6 +127,7 @@ def _decode_attention_stage2_kernel(
     mid_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32
     seq_lens_ptr,  # [B]
     out_ptr,  # [B, Hq, D]
+    amax_ptr,  # [B, Hq] float32 (WRITE_AMAX)
     D,
     stride_ob,
     stride_oh,
@@ -135,6 +136,7 @@ def _decode_attention_stage2_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
+    WRITE_AMAX: tl.constexpr = False,  # each program also stores max |output| of its head
 ):
     pdl_sync(USE_PDL)
     b = tl.program_id(0)
@@ -152,7 +154,10 @@ def _decode_attention_stage2_kernel(
     o = tl.load(mid_o_ptr + base[:, None] * D + offs_d[None, :], mask=valid[:, None] & (offs_d < D)[None, :], other=0.0)
     acc = tl.sum(o * w[:, None], axis=0)  # [BLOCK_D]
     denom = tl.maximum(tl.sum(w, axis=0), 1e-30)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, (acc / denom).to(out_ptr.dtype.element_ty), mask=offs_d < D)
+    o = (acc / denom).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, o, mask=offs_d < D)
+    if WRITE_AMAX:  # of the stored values (masked lanes hold 0)
+        tl.store(amax_ptr + b * tl.num_programs(1) + h, tl.max(tl.abs(o.to(tl.float32)), axis=0))
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int, num_sms: int, max_splits: int = 32) -> int:
@@ -173,6 +178,7 @@ def decode_attention(
     num_splits: int | None = None,
     mid_o: torch.Tensor | None = None,  # [B, Hq, num_splits, D] fp32 workspace (reused across layers)
     mid_lse: torch.Tensor | None = None,  # [B, Hq, num_splits] fp32
+    out_amax: torch.Tensor | None = None,  # [B * Hq] fp32: each head's max |output| written here
     block_n: int | None = None,  # tiling overrides (benchmarks)
     num_warps: int = 4,
     num_stages: int = 2,
@@ -207,9 +213,10 @@ def decode_attention(
         GROUP=group, NUM_SPLITS=num_splits, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, DOT_F32=dot_f32,
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q),
     )
+    assert out_amax is None or (out_amax.dtype == torch.float32 and out_amax.numel() >= bsz * hq), "out_amax [B * Hq]"
     _decode_attention_stage2_kernel[(bsz, hq)](
-        mid_o, mid_lse, seq_lens, out, d, out.stride(0), out.stride(1),
+        mid_o, mid_lse, seq_lens, out, out_amax if out_amax is not None else mid_lse, d, out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_P2=max(2, next_pow2(num_splits)), BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=4 if block_d >= 128 else 1, **pdl_args(q),
+        num_warps=4 if block_d >= 128 else 1, WRITE_AMAX=out_amax is not None, **pdl_args(q),
     )
     return out

@@ -62,7 +62,7 @@ from mllmd_kernels._triton import (
     triton,
 )
 from mllmd_kernels.activation import _silu_mul, silu_and_mul
-from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, row_int8_scale
+from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, int8_scale, row_int8_scale
 
 # From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads
 # (int8_gemm_tma, "tma" 128x128x64): on the H200 the W8A8 Qwen3-8B 2,048-token prefill took 34.8 ms
@@ -404,6 +404,8 @@ def _int8_gemv_kernel(
     K,
     stride_bn,
     K_PER_SPLIT,  # multiple of BLOCK_K
+    amax_ptr,  # [n_amax] float32: max|x| partials read (AMAX_IN) or written (AMAX_OUT)
+    n_amax,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -416,6 +418,8 @@ def _int8_gemv_kernel(
     USE_PDL: tl.constexpr,
     SILU_MUL: tl.constexpr = False,  # b is a fused gate/up weight [2 D, K]: c [D] = silu(gate) * up (no split)
     PREFETCH: tl.constexpr = False,  # USE_PDL: the first K step's weights into L2 before the wait
+    AMAX_IN: tl.constexpr = 0,  # FUSE_QUANT: max|x| = the max of n_amax <= AMAX_IN partials (no pass over x)
+    AMAX_OUT: tl.constexpr = False,  # SILU_MUL: program p writes the max |output| of its outputs to amax[p]
 ):
     """M == 1, no tensor cores: [BLOCK_N, BLOCK_K] int8 weight tiles times the int8 row. DP4A: both as
     int32 words, one dp4a per word into acc[BLOCK_N, BLOCK_K // 4]; else both widened to int32 and
@@ -439,7 +443,10 @@ def _int8_gemv_kernel(
         prefetch_tile_l2(b_ptr.to(tl.pointer_type(tl.int8)), rows_b, mask_n, stride_bn, k_start, k_len, BLOCK_K, 128)
     pdl_sync(USE_PDL)
     offs_k = tl.arange(0, BLOCK_K)
-    if FUSE_QUANT:
+    if FUSE_QUANT and AMAX_IN > 0:  # the op that wrote x left max|x| of its slices: one short load
+        offs_p = tl.arange(0, AMAX_IN)
+        a_scale = int8_scale(tl.max(tl.load(amax_ptr + offs_p, mask=offs_p < n_amax, other=0.0), axis=0))
+    elif FUSE_QUANT:
         a_scale = row_int8_scale(a_ptr, K, SCALE_BLOCK)
     else:
         a_scale = tl.load(as_ptr)
@@ -477,8 +484,10 @@ def _int8_gemv_kernel(
         if SILU_MUL:
             gate, up = tl.split(tl.reshape(out.to(c_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
             offs_d = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            y = _silu_mul(gate, up, c_ptr.dtype.element_ty)
+            y = _silu_mul(gate, up, c_ptr.dtype.element_ty)  # the stored values, in fp32
             tl.store(c_ptr + offs_d, y.to(c_ptr.dtype.element_ty), mask=offs_d < N // 2)
+            if AMAX_OUT:
+                tl.store(amax_ptr + pid_n, tl.max(tl.where(offs_d < N // 2, tl.abs(y), 0.0), axis=0))
         else:
             tl.store(c_ptr + offs_n, out.to(c_ptr.dtype.element_ty), mask=mask_n)
 
@@ -597,6 +606,8 @@ def _gemv(
     cfg: Int8GemmConfig,
     fuse_quant: bool,
     silu_mul: bool = False,  # b is a gate/up weight [2 D, K]; out [1, D] = silu(gate) * up (one K split only)
+    amax_in: torch.Tensor | None = None,  # fuse_quant: float32 partials whose max is max|a|
+    amax_out: torch.Tensor | None = None,  # silu_mul: float32 [programs], each program's max |out|
 ) -> torch.Tensor:
     """Launch `_int8_gemv_kernel` (+ the split-K epilogue) for one row."""
     assert cfg.block_k >= 16 and cfg.split_k >= 1, cfg
@@ -616,11 +627,17 @@ def _gemv(
     if dp4a:  # the same bytes as int32 words (a stays the float row when the quantization is fused)
         b = b.view(torch.int32)
         a = a if fuse_quant else a.view(torch.int32)
+    assert amax_in is None or fuse_quant, "amax_in: the quantization is fused"
+    assert amax_out is None or (silu_mul and amax_out.numel() >= cdiv(n, cfg.block_n)), "amax_out: one per program"
+    amax = amax_in if amax_in is not None else amax_out if amax_out is not None else b_scale
+    n_amax = amax.numel() if amax_in is not None else 0
     _int8_gemv_kernel[(cdiv(n, cfg.block_n), split)](
         a, b, a_scale, b_scale, bias_arg, out, part, n, k, b.stride(0) * (4 if dp4a else 1), k_per_split,
+        amax, n_amax,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, HAS_BIAS=has_bias and split == 1, IS_SPLIT=split > 1,
         EVEN_K=k % cfg.block_k == 0, FUSE_QUANT=fuse_quant, SCALE_BLOCK=scale_block,
         DP4A=dp4a, USE_ASM=not interpreting(), SILU_MUL=silu_mul, PREFETCH=cfg.block_k >= 128,
+        AMAX_IN=next_pow2(n_amax) if n_amax else 0, AMAX_OUT=amax_out is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(a),
     )  # fmt: skip
@@ -646,6 +663,23 @@ def int8_gemm_silu_mul(
     tiling (the default for a fused gate/up projection) takes one launch: the gemv's epilogue pairs
     each gate output with its up output, so the [M, 2 D] projection is never written; otherwise the
     two launches."""
+    return int8_gemm_silu_mul_amax(a, b, a_scale, b_scale, out_dtype, bias, config, amax=False)[0]
+
+
+def int8_gemm_silu_mul_amax(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    config: Int8GemmConfig | None = None,
+    amax: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """int8_gemm_silu_mul, and where it takes one launch (and `amax`), the max |output| of each of
+    its programs' outputs (float32 partials: their max is max|out|, exactly), which a W8A8 gemv that
+    quantizes this row takes its scale from (`w8a8_gemv(amax_parts=...)`) instead of reading the
+    row twice; None where the two launches ran."""
     m, k = a.shape
     n = b.shape[0]
     assert n % 2 == 0, f"a gate/up weight has an even number of rows, not {n}"
@@ -657,8 +691,10 @@ def int8_gemm_silu_mul(
             out = torch.empty((1, n // 2), dtype=out_dtype, device=a.device)
             b_scale = b_scale.reshape(n).contiguous()
             a_scale = a_scale.reshape(1).contiguous()
-            return _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False, silu_mul=True)
-    return silu_and_mul(int8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config))
+            parts = torch.empty(cdiv(n, cfg.block_n), dtype=torch.float32, device=a.device) if amax else None
+            _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False, silu_mul=True, amax_out=parts)
+            return out, parts
+    return silu_and_mul(int8_gemm(a, b, a_scale, b_scale, out_dtype, bias, config=config)), None
 
 
 def w8a8_gemv(
@@ -668,9 +704,11 @@ def w8a8_gemv(
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [1, N] x.dtype
     config: Int8GemmConfig | None = None,  # a "gemv" tiling
+    amax_parts: torch.Tensor | None = None,  # float32 [P]: max over them = max|x| (int8_gemm_silu_mul_amax)
 ) -> torch.Tensor:
     """W8A8 linear of one row in one launch (two with split-K): the per-token quantization is fused
-    into the gemv (every program quantizes its x slices itself); equals int8_quant + int8_gemm bit for bit."""
+    into the gemv (every program quantizes its x slices itself, its scale from max|x|: a pass over x,
+    or the max of `amax_parts`); equals int8_quant + int8_gemm bit for bit."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1, "w8a8_gemv needs one K-contiguous row"
     assert weight.dtype == torch.int8 and weight.dim() == 2 and weight.stride(1) == 1
     n, k = weight.shape
@@ -681,7 +719,8 @@ def w8a8_gemv(
     assert out.shape == (1, n) and out.stride(1) == 1
     cfg = config or pick_int8_config(1, n, k, sm_count_for(x), max_shared_memory(x))
     assert cfg.mode == "gemv", f"w8a8_gemv needs a gemv tiling, got {cfg.mode}"
-    return _gemv(x, weight, None, weight_scale, bias, out, cfg, fuse_quant=True)
+    assert amax_parts is None or (amax_parts.dtype == torch.float32 and amax_parts.dim() == 1), "float32 [P] partials"
+    return _gemv(x, weight, None, weight_scale, bias, out, cfg, fuse_quant=True, amax_in=amax_parts)
 
 
 def w8a8_linear(
@@ -690,6 +729,7 @@ def w8a8_linear(
     weight_scale: torch.Tensor,  # [N, 1] float32
     bias: torch.Tensor | None = None,
     config: Int8GemmConfig | None = None,
+    amax_parts: torch.Tensor | None = None,  # one row: as w8a8_gemv's (ignored by the other paths)
 ) -> torch.Tensor:
     """W8A8 linear with Triton: per-token int8 quantization of x, then int8_gemm -> [M, N] x.dtype.
 
@@ -698,6 +738,6 @@ def w8a8_linear(
     fused launch is also the faster one where there are few weight tiles per SM: o on the H200 took
     6.9 us fused against 6.1 us for the gemv alone plus a quantization launch."""
     if x.shape[0] == 1 and (config is None or config.mode == "gemv"):
-        return w8a8_gemv(x, weight, weight_scale, bias, config=config)
+        return w8a8_gemv(x, weight, weight_scale, bias, config=config, amax_parts=amax_parts)
     q, s = int8_quant(x)
     return int8_gemm(q, weight, s, weight_scale, x.dtype, bias, config=config)

@@ -118,20 +118,24 @@ def compile_asm(
     return triton.compile(src, target=target, options={"num_warps": num_warps, **options}).asm
 
 
-def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False) -> str:
+def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False, amax_in: int = 0) -> str:
     """PTX of the one-row `_int8_gemv_kernel` (see int8_gemv_asm)."""
-    return int8_gemv_asm(fuse, block_k, warps, arch, pdl)["ptx"]
+    return int8_gemv_asm(fuse, block_k, warps, arch, pdl, amax_in)["ptx"]
 
 
-def int8_gemv_asm(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False) -> dict[str, Any]:
+def int8_gemv_asm(
+    fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False, amax_in: int = 0
+) -> dict[str, Any]:
     """The one-row `_int8_gemv_kernel` compiled as `_gemv` launches it with dp4a (BLOCK_N 16, K a
-    multiple of the block): on int8 rows, or (`fuse`) on a bf16 row it quantizes; `pdl`: a PDL launch
-    (sm90+), with the weight prefetch before the wait."""
+    multiple of the block): on int8 rows, or (`fuse`) on a bf16 row it quantizes, its scale from up
+    to `amax_in` max|x| partials if given; `pdl`: a PDL launch (sm90+), with the weight prefetch
+    before the wait."""
     from mllmd_kernels.int8_gemm import _int8_gemv_kernel
 
     sig = {"a_ptr": "*bf16" if fuse else "*i32", "b_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "bias_ptr": "*fp32", "c_ptr": "*bf16", "part_ptr": "*bf16", "N": "i32", "K": "i32",
-           "stride_bn": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
+           "stride_bn": "i32", "K_PER_SPLIT": "i32", "amax_ptr": "*fp32", "n_amax": "i32"}  # fmt: skip
     consts = dict(BLOCK_N=16, BLOCK_K=block_k, HAS_BIAS=False, IS_SPLIT=False, EVEN_K=True, FUSE_QUANT=fuse,
-                  SCALE_BLOCK=8192, DP4A=True, USE_ASM=True, USE_PDL=pdl, SILU_MUL=False, PREFETCH=pdl)  # fmt: skip
+                  SCALE_BLOCK=8192, DP4A=True, USE_ASM=True, USE_PDL=pdl, SILU_MUL=False, PREFETCH=pdl,
+                  AMAX_IN=amax_in, AMAX_OUT=False)  # fmt: skip
     return compile_asm(_int8_gemv_kernel, sig, consts, arch, warps, **({"launch_pdl": True} if pdl else {}))

@@ -15,7 +15,7 @@ from mllmd_kernels import gemv, rope, silu_and_mul_int8
 from torch import nn
 
 from mllmd.engine.forward_batch import ForwardBatch
-from mllmd.models.layers import Int8Rows, Linear, MergedLinear, RMSNorm, SiluAndMul, get_rope
+from mllmd.models.layers import Int8Rows, Linear, MergedLinear, RMSNorm, RowsWithAmax, SiluAndMul, get_rope
 from mllmd.models.layers.dispatch import fused_kernels, use_gemv
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 
@@ -72,7 +72,12 @@ class Qwen3Attention(nn.Module):
         else:
             stores = False
             q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
-        out = backend.forward(q, k, v, self.layer_id, self.scale, batch, kv_stored=stores)  # [T, Hq, D]
+        if self.o_proj.takes_amax:  # W8A8 one row: the scale from the attention kernel's max|out| partials
+            out, amax = backend.forward_with_amax(q, k, v, self.layer_id, self.scale, batch, kv_stored=stores)
+            if amax is not None:
+                return self.o_proj(RowsWithAmax(out.reshape(-1, self.q_size), amax))
+        else:
+            out = backend.forward(q, k, v, self.layer_id, self.scale, batch, kv_stored=stores)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

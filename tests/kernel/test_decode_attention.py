@@ -64,3 +64,21 @@ def test_decode_attention_padded_rows_give_zeros() -> None:
     assert (out[2] == 0).all() and not out.isnan().any()
     ref = decode_attention_ref(q[:2], k_buf.float(), v_buf.float(), table, rows[:2], lens[:2], 0.25)
     assert rel_err(out[:2], ref) < REL_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+def test_decode_attention_writes_each_heads_max_output(dtype: torch.dtype) -> None:
+    """With out_amax, each (request, head) program also stores max |output| of the values it wrote
+    (what a W8A8 o projection takes its scale from): exactly out.abs().amax over head_dim, zeros for
+    a padded row; the output itself is the same bits as without."""
+    g = torch.Generator().manual_seed(21)
+    seq_lens = [130, 7, 0]
+    k_buf, v_buf, table, rows = make_paged_kv(seq_lens[:2], 2, 24, dtype, DEVICE, g)
+    rows = torch.cat([rows, torch.zeros(1, dtype=rows.dtype, device=DEVICE)])
+    q = randn(3, 4, 24, dtype=dtype, device=DEVICE, gen=g, scale=4.0)
+    lens = torch.tensor(seq_lens, device=DEVICE)
+    amax = poisoned((12,), torch.float32, DEVICE)
+    out = decode_attention(q, k_buf, v_buf, table, rows, lens, 0.3, num_splits=4, out_amax=amax)
+    assert torch.equal(out, decode_attention(q, k_buf, v_buf, table, rows, lens, 0.3, num_splits=4))
+    assert torch.equal(amax, out.float().abs().amax(-1).reshape(12))
+    assert (amax[8:] == 0).all() and (amax[:8] > 0).all()

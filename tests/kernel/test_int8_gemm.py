@@ -18,6 +18,7 @@ from mllmd_kernels import (
     int8_gemm,
     int8_gemm_ref,
     int8_gemm_silu_mul,
+    int8_gemm_silu_mul_amax,
     int8_quant,
     pick_int8_config,
     silu_and_mul,
@@ -304,6 +305,33 @@ def test_int8_gemm_silu_mul_equals_gemm_then_silu_and_mul(cfg: Int8GemmConfig | 
         assert torch.equal(out, silu_and_mul(h))
         ref = silu_and_mul_ref(int8_gemm_ref(a, b, a_scale, b_scale, dtype, bi).float()).to(dtype)
         torch.testing.assert_close(out, ref, **close_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("cfg", [None, *GEMV_CONFIGS], ids=lambda c: "default" if c is None else _gemv_id(c))
+def test_silu_mul_amax_parts_give_the_next_gemv_its_scale_bit_for_bit(cfg: Int8GemmConfig | None, dtype: torch.dtype) -> None:
+    """Where the gate/up gemv fuses the activation, it also writes each program's max |output|: their
+    max is the row's max|h| exactly, and the down projection's fused quantization, taking its scale
+    from them instead of a pass over h, gives w8a8_gemv's bits (every down tiling, split-K too).
+    Where the two launches run (split tilings), there are no partials. Control: partials twice as
+    large change the result, so the kernel does read them."""
+    g = torch.Generator().manual_seed(7 * SILU_D + (cfg.block_n * 10 + cfg.split_k if cfg else 0))
+    a, b = _int8(1, SILU_K, gen=g), _int8(2 * SILU_D, SILU_K, gen=g)
+    a_scale = (torch.rand(1, 1, generator=g) * 0.05 + 1e-3).to(DEVICE)
+    b_scale = (torch.rand(2 * SILU_D, 1, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    h, parts = int8_gemm_silu_mul_amax(a, b, a_scale, b_scale, dtype, config=cfg)
+    assert torch.equal(h, int8_gemm_silu_mul(a, b, a_scale, b_scale, dtype, config=cfg))
+    if cfg is not None and cfg.split_k > 1:
+        assert parts is None, "a split gate/up gemv does not fuse, so it writes no partials"
+        return
+    assert parts is not None and parts.dtype == torch.float32 and parts.dim() == 1
+    assert torch.equal(parts.max(), h.abs().max().float()), "max of the partials = max|h|"
+    down = _int8(37, SILU_D, gen=g)
+    down_scale = (torch.rand(37, 1, generator=g) * 1e-3 + 1e-5).to(DEVICE)
+    for down_cfg in (None, *GEMV_CONFIGS):
+        plain = w8a8_gemv(h, down, down_scale, config=down_cfg)
+        assert torch.equal(w8a8_gemv(h, down, down_scale, config=down_cfg, amax_parts=parts), plain), down_cfg
+    assert not torch.equal(w8a8_gemv(h, down, down_scale, amax_parts=parts * 2), w8a8_gemv(h, down, down_scale))
 
 
 def test_int8_gemm_silu_mul_fuses_only_unsplit_one_row_gemvs(monkeypatch: pytest.MonkeyPatch) -> None:

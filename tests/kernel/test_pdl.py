@@ -71,15 +71,19 @@ def test_pdl_only_inside_pdl_launches(monkeypatch: pytest.MonkeyPatch) -> None:
     not _triton_has_launch_pdl() or kt.interpreting(),
     reason="an offline compile: needs a Triton that launches with PDL (3.4+), not its interpreter",
 )
-@pytest.mark.parametrize(("fuse", "block_k", "warps"), [(False, 1024, 4), (True, 2048, 8)], ids=["int8_rows", "fused"])
-def test_int8_gemv_touches_only_weight_lines_before_the_pdl_wait(fuse: bool, block_k: int, warps: int) -> None:
+@pytest.mark.parametrize(
+    ("fuse", "block_k", "warps", "amax_in"),
+    [(False, 1024, 4, 0), (True, 2048, 8, 0), (True, 2048, 8, 2048)],
+    ids=["int8_rows", "fused", "fused_amax_partials"],
+)
+def test_int8_gemv_touches_only_weight_lines_before_the_pdl_wait(fuse: bool, block_k: int, warps: int, amax_in: int) -> None:
     """Under PDL the one-row int8 gemv asks L2 for its first weight tile before griddepcontrol.wait
     (the weights are written by no kernel of the step). Nothing else may come before the wait: a
     load of the activations or a store there would race with the kernel before it. Offline sm_90
     compile: the prefetches precede the wait; no global load, store or atomic does."""
     from mllmd_kernels.testing import int8_gemv_ptx
 
-    lines = int8_gemv_ptx(fuse, block_k, warps, 90, pdl=True).splitlines()
+    lines = int8_gemv_ptx(fuse, block_k, warps, 90, pdl=True, amax_in=amax_in).splitlines()
     wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
     before = lines[:wait]
     assert sum("prefetch.global.L2" in line for line in before) == block_k * 16 // 128 // (32 * warps), (

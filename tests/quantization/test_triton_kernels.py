@@ -257,15 +257,19 @@ def _w8a8_mlp(dtype: torch.dtype) -> tuple[Any, int, int]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_w8a8_mlp_one_row_activates_in_the_gate_up_gemv(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """One row of int8 rows (what rmsnorm_int8 hands the MLP at batch-1 decode): the gate/up gemv
-    applies silu(gate) * up in its epilogue, and the MLP's output equals, bit for bit, the route
-    that stores the gate/up row and activates it in its own launch; several rows keep that route."""
+    applies silu(gate) * up in its epilogue and writes max|output| partials, from which the down
+    gemv takes its scale; the MLP's output equals, bit for bit, the route that stores the gate/up
+    row and activates it in its own launch; several rows keep that route."""
     from mllmd_kernels import int8_quant
 
     import mllmd.models.quantization.triton_kernels as tk_mod
 
-    calls = []
-    real = tk_mod.int8_gemm_silu_mul
-    monkeypatch.setattr(tk_mod, "int8_gemm_silu_mul", lambda q, *a: calls.append(q.shape[0]) or real(q, *a))
+    calls, down_parts = [], []
+    real, real_linear = tk_mod.int8_gemm_silu_mul_amax, tk_mod.w8a8_linear
+    monkeypatch.setattr(tk_mod, "int8_gemm_silu_mul_amax",
+                        lambda q, *a, **kw: calls.append(q.shape[0]) or real(q, *a, **kw))  # fmt: skip
+    monkeypatch.setattr(tk_mod, "w8a8_linear",
+                        lambda x, *a, **kw: down_parts.append(kw.get("amax_parts") is not None) or real_linear(x, *a, **kw))  # fmt: skip
     mlp, hidden, inter = _w8a8_mlp(dtype)
     g = torch.Generator().manual_seed(6)
     for t in (1, 3):
@@ -276,6 +280,7 @@ def test_w8a8_mlp_one_row_activates_in_the_gate_up_gemv(dtype: torch.dtype, monk
         assert fused.shape == (t, hidden) and fused.dtype == dtype
         assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
     assert calls == [1], calls
+    assert down_parts[0] is tk_mod.AMAX_PARTS, "the one-row down gemv takes the gate/up gemv's partials"
 
 
 @needs_kernels
@@ -321,8 +326,10 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
 
     from .test_numerics import engine_prefill_logits
 
+    # the triton attention backend (the interpreter's on the CPU): its decode kernel writes the max|out|
+    # partials the o projection takes its scale from
     llm = LLM(str(quantized("w8a8")), dtype="bfloat16", device=str(DEVICE), chunked_prefill_size=0,
-              disable_radix_cache=True, max_total_tokens=512)
+              disable_radix_cache=True, max_total_tokens=512, attention_backend="triton")
     model = llm.engine.runner.model
     layers = [m for m in model.modules() if isinstance(m, Linear) and m.quant_method is not None]
     for layer in layers:
@@ -330,7 +337,7 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
             kernel = TritonW8A8Kernel(layer.quant_method.scheme)
             kernel.process_weights(layer)
             layer.quant_method.kernel = kernel
-    calls = {"rmsnorm_int8": 0, "silu_and_mul_int8": 0}
+    calls = {"rmsnorm_int8": 0, "silu_and_mul_int8": 0, "apply_with_amax": 0}
 
     def spy(mod: Any, name: str) -> None:
         real = getattr(mod, name)
@@ -343,6 +350,7 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
 
     spy(norm_mod, "rmsnorm_int8")
     spy(qwen3_mod, "silu_and_mul_int8")
+    spy(TritonW8A8Kernel, "apply_with_amax")
     # the plain route's norms and SiLU on the Triton kernels too (the CPU would take torch's): both
     # routes then quantize the same values
     monkeypatch.setattr(norm_mod, "fused_kernels", lambda x: True)
@@ -351,20 +359,25 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     with torch.no_grad():
         fused = engine_prefill_logits(llm, prompts)
     n_layers = len(model.model.layers)
-    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers}, calls
+    assert calls == {"rmsnorm_int8": 2 * n_layers, "silu_and_mul_int8": n_layers, "apply_with_amax": 0}, calls
     for rid in ("p0", "p1"):
         llm.engine.abort(rid)
-    # Decode steps (one row: the gate/up gemv applies the activation in its epilogue) too.
+    # Decode steps (one row: the gate/up gemv applies the activation in its epilogue, and o and down
+    # take their scales from the attention's and the gate/up gemv's max|out| partials) too.
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
     fused_out = llm.generate([[5, 17, 300]], greedy)[0]
+    if TritonW8A8Kernel.takes_amax:  # MLLMD_W8A8_AMAX=0 turns the partials off
+        steps = calls["apply_with_amax"] // (2 * n_layers)
+        assert steps >= 5 and calls["apply_with_amax"] == 2 * n_layers * steps, calls
     monkeypatch.setattr(Linear, "takes_int8_input", property(lambda self: False))
-    calls.update(rmsnorm_int8=0, silu_and_mul_int8=0)
+    monkeypatch.setattr(Linear, "takes_amax", property(lambda self: False))
+    calls.update(rmsnorm_int8=0, silu_and_mul_int8=0, apply_with_amax=0)
     with torch.no_grad():
         plain = engine_prefill_logits(llm, prompts)
     for rid in ("p0", "p1"):
         llm.engine.abort(rid)
     plain_out = llm.generate([[5, 17, 300]], greedy)[0]
-    assert calls == {"rmsnorm_int8": 0, "silu_and_mul_int8": 0}, "the plain route used them"
+    assert calls == {"rmsnorm_int8": 0, "silu_and_mul_int8": 0, "apply_with_amax": 0}, "the plain route used them"
     for a, b in zip(fused, plain):
         assert a.shape == b.shape and torch.equal(a, b), "the fused route changed the logits"
     assert len(fused_out.token_ids) == 6 and fused_out.token_ids == plain_out.token_ids

@@ -38,6 +38,15 @@ class AttentionBackend(ABC):
         """Store k/v at batch.out_cache_loc in layer `layer_id` (unless the caller already did:
         `kv_stored`), then return attention output."""
 
+    def forward_with_amax(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
+        batch: ForwardBatch, kv_stored: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """forward(), and for a decode step of one row, float32 partials whose max is max|output|
+        where the backend's kernel writes them (else None): a W8A8 output projection that quantizes
+        the row in its own launch takes its scale from them instead of reading the row twice."""
+        return self.forward(q, k, v, layer_id, scale, batch, kv_stored), None
+
     @staticmethod
     def store_kv(layer_id: int, batch: ForwardBatch, k: torch.Tensor | None, v: torch.Tensor | None, kv_stored: bool) -> None:
         """forward's first step: k/v into the pool at batch.out_cache_loc, unless the caller did (kv_stored)."""

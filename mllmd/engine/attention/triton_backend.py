@@ -21,6 +21,7 @@ class _DecodeMeta:
     num_splits: int
     mid_o: torch.Tensor | None = None  # [B, Hq, splits, D] fp32, allocated by the first layer, reused
     mid_lse: torch.Tensor | None = None  # [B, Hq, splits] fp32
+    out_amax: torch.Tensor | None = None  # [Hq] fp32 (one row): each head's max |output|, reused likewise
 
 
 @dataclass
@@ -43,6 +44,18 @@ class TritonAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
         batch: ForwardBatch, kv_stored: bool = False,
     ) -> torch.Tensor:  # fmt: skip
+        return self._forward(q, k, v, layer_id, scale, batch, kv_stored, amax=False)[0]
+
+    def forward_with_amax(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
+        batch: ForwardBatch, kv_stored: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        return self._forward(q, k, v, layer_id, scale, batch, kv_stored, amax=True)
+
+    def _forward(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
+        batch: ForwardBatch, kv_stored: bool, amax: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         self.store_kv(layer_id, batch, k, v, kv_stored)
         pool = batch.kv_pool
         k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
@@ -55,11 +68,18 @@ class TritonAttentionBackend(AttentionBackend):
             if meta.mid_o is None:
                 meta.mid_o = torch.empty((bsz, hq, meta.num_splits, d), dtype=torch.float32, device=q.device)
                 meta.mid_lse = torch.empty((bsz, hq, meta.num_splits), dtype=torch.float32, device=q.device)
-            return decode_attention(
+            out_amax = None
+            if amax and bsz == 1:
+                if meta.out_amax is None:
+                    meta.out_amax = torch.empty(hq, dtype=torch.float32, device=q.device)
+                out_amax = meta.out_amax
+            out = decode_attention(
                 q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, scale,
-                num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse,
+                num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse, out_amax=out_amax,
             )
-        return extend_attention(
+            return out, out_amax
+        out = extend_attention(
             q, k_buf, v_buf, table, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
             meta.qo_start, meta.max_extend_len, scale,
         )
+        return out, None

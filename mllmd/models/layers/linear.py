@@ -28,6 +28,16 @@ class Int8Rows:
     dtype: torch.dtype
 
 
+@dataclass
+class RowsWithAmax:
+    """Activations x [T, K] not yet quantized, with float32 partials whose max is max|x| (written by
+    the kernel that produced x): a W8A8 layer that quantizes x in its own launch takes the scale
+    from them instead of reading x an extra time."""
+
+    x: torch.Tensor
+    amax_parts: torch.Tensor
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b); weights are filled by the loader, never randomly initialised."""
 
@@ -50,11 +60,15 @@ class Linear(nn.Module):
             self.quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax) -> torch.Tensor:
         if isinstance(x, Int8Rows):  # quantized by the op before (only when takes_int8_input)
             if self.quant_method is None:
                 raise RuntimeError("int8 rows given to an unquantized layer")
             return self.quant_method.apply_int8(self, x.q, x.scale, x.dtype, self.bias)
+        if isinstance(x, RowsWithAmax):
+            if self.quant_method is not None:
+                return self.quant_method.apply_with_amax(self, x.x, x.amax_parts, self.bias)
+            x = x.x
         if self.quant_method is None:
             if self.bias is None and use_gemv(x):
                 return gemv(x, self.weight)  # decode: split-K GEMV reads W near copy bandwidth
@@ -66,6 +80,12 @@ class Linear(nn.Module):
         """The layer's kernel accepts per-token int8 activations (W8A8 on the GPU), so the op before
         it may quantize them in its own launch and pass `Int8Rows` to forward()."""
         return self.quant_method is not None and self.quant_method.takes_int8_input
+
+    @property
+    def takes_amax(self) -> bool:
+        """The layer's kernel quantizes its input itself and can take the scale from max|x| partials
+        the op before wrote (`RowsWithAmax`), so that op may write them."""
+        return self.quant_method is not None and self.quant_method.takes_amax
 
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         """(first output row, row count) of a checkpoint shard; the whole layer for None."""
@@ -129,15 +149,17 @@ class MergedLinear(Linear):
             raise ValueError(f"unknown shard {shard!r} (expected one of {', '.join(self.shard_offsets)})")
         return self.shard_offsets[shard]
 
-    def forward_silu_mul(self, x: Int8Rows) -> torch.Tensor:
+    def forward_silu_mul(self, x: Int8Rows) -> torch.Tensor | RowsWithAmax:
         """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], from int8 rows,
-        in the kernel's own epilogue where it has one (only when takes_int8_input)."""
+        in the kernel's own epilogue where it has one (only when takes_int8_input); with the max|out|
+        partials where that epilogue writes them."""
         sizes = [size for _, size in self.shard_offsets.values()]
         if len(sizes) != 2 or sizes[0] != sizes[1]:
             raise RuntimeError(f"silu_and_mul needs two equal shards, not {sizes}")
         if self.quant_method is None:
             raise RuntimeError("int8 rows given to an unquantized layer")
-        return self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
+        out, amax_parts = self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
+        return out if amax_parts is None else RowsWithAmax(out, amax_parts)
 
     def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> bool:
         """Copy one checkpoint tensor (e.g. k_proj.weight) into its slice of the fused parameter."""

@@ -54,6 +54,8 @@ class QuantLinearKernel(ABC):
 
     # Kernels that set this take activations the op before them quantized per token (apply_int8).
     takes_int8_input: bool = False
+    # Kernels that set this take max|x| partials the op before wrote (apply_with_amax).
+    takes_amax: bool = False
 
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
@@ -63,9 +65,17 @@ class QuantLinearKernel(ABC):
 
     def apply_int8_silu_mul(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """As apply_int8 for a fused gate/up layer, then silu(gate) * up -> [T, N / 2] out_dtype."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As apply_int8 for a fused gate/up layer, then silu(gate) * up -> [T, N / 2] out_dtype; and,
+        where the kernel has them, float32 partials whose max is max|output| (else None)."""
         raise NotImplementedError(f"{type(self).__name__} takes no int8 activations")
+
+    def apply_with_amax(
+        self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """apply() for an x whose max|x| partials the op before wrote (apply_int8_silu_mul's): a kernel
+        that quantizes x itself may take its scale from them. By default: apply()."""
+        return self.apply(layer, x, bias)
 
 
 class TorchW8A8Kernel(QuantLinearKernel):

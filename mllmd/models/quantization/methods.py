@@ -58,6 +58,10 @@ class QuantMethod(ABC):
     def takes_int8_input(self) -> bool:
         return self.kernel is not None and self.kernel.takes_int8_input
 
+    @property
+    def takes_amax(self) -> bool:
+        return self.kernel is not None and self.kernel.takes_amax
+
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
     ) -> torch.Tensor:
@@ -65,8 +69,13 @@ class QuantMethod(ABC):
 
     def apply_int8_silu_mul(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._loaded_kernel().apply_int8_silu_mul(layer, q, scale, out_dtype, bias)
+
+    def apply_with_amax(
+        self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return self._loaded_kernel().apply_with_amax(layer, x, amax_parts, bias)
 
 
 class W8A8Int8Method(QuantMethod):

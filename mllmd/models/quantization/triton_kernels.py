@@ -8,7 +8,9 @@
   It also takes activations already quantized by the op before it (`apply_int8`): in Qwen3
   `rmsnorm_int8` feeds the qkv and gate/up projections and `silu_and_mul_int8` the down projection
   (so only o takes the fused one-row gemv at batch 1). For one row the gate/up gemv also applies
-  silu(gate) * up in its epilogue (`apply_int8_silu_mul`), and down quantizes that row itself.
+  silu(gate) * up in its epilogue (`apply_int8_silu_mul`), and down quantizes that row itself,
+  its scale from the max|output| partials the gate/up gemv wrote (`apply_with_amax`); o takes its
+  scale likewise from the decode attention's partials.
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches (each layer keeps its own split-K counters, so the last program of a tile
   adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
@@ -23,13 +25,14 @@ parameters stay the checkpoint's quantized tensors, so weight_bytes counts what 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import (
     int8_gemm,
-    int8_gemm_silu_mul,
+    int8_gemm_silu_mul_amax,
     prefers_dequant,
     splitk_counter_len,
     triton_available,
@@ -44,6 +47,11 @@ from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel
 
 if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
+
+# One row: the gate/up gemv and the decode attention write max|output| partials for the down and o
+# gemvs' scales. An experiment switch (MLLMD_W8A8_AMAX=0: those gemvs read their input row twice,
+# as before) until the H200 A/B decides.
+AMAX_PARTS = os.environ.get("MLLMD_W8A8_AMAX", "1") != "0"
 
 
 def _triton_cuda(device: torch.device) -> str | None:
@@ -80,6 +88,7 @@ class TritonW8A8Kernel(QuantLinearKernel):
         return out.reshape(*x.shape[:-1], layer.weight.shape[0])
 
     takes_int8_input = True
+    takes_amax = AMAX_PARTS
 
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
@@ -88,9 +97,16 @@ class TritonW8A8Kernel(QuantLinearKernel):
 
     def apply_int8_silu_mul(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # One row: one gemv launch whose epilogue applies the activation (no silu_and_mul launch) and
+        # writes max|output| partials, from which the down projection's gemv takes its scale.
+        return int8_gemm_silu_mul_amax(q, layer.weight, scale, layer.weight_scale, out_dtype, bias, amax=AMAX_PARTS)
+
+    def apply_with_amax(
+        self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        # One row: one gemv launch whose epilogue applies the activation (no silu_and_mul launch).
-        return int8_gemm_silu_mul(q, layer.weight, scale, layer.weight_scale, out_dtype, bias)
+        out = w8a8_linear(_rows(x), layer.weight, layer.weight_scale, bias, amax_parts=amax_parts)
+        return out.reshape(*x.shape[:-1], layer.weight.shape[0])
 
 
 class TritonW4A16Kernel(QuantLinearKernel):
