@@ -6,7 +6,6 @@ through the step's attention backend, which reads and writes the paged KV pool.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,9 +18,9 @@ from mllmd.models.layers import Int8Rows, Linear, MergedLinear, RMSNorm, RowsWit
 from mllmd.models.layers.dispatch import fused_kernels, use_gemv
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 
-# A/B switch while the fused RoPE + KV store is timed on a GPU: MLLMD_ROPE_STORE_KV=0 stores with
-# store_cache's own launch, as before.
-ROPE_STORES_KV = os.environ.get("MLLMD_ROPE_STORE_KV", "1") != "0"
+# The fused RoPE kernel writes the step's K/V into the pool where the pool's dtype is the kernel's
+# (no store_cache launch); False leaves the store to the attention backend (tests compare the routes).
+ROPE_STORES_KV = True
 
 
 class Qwen3Attention(nn.Module):

@@ -25,7 +25,6 @@ parameters stay the checkpoint's quantized tensors, so weight_bytes counts what 
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,12 +46,6 @@ from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel
 
 if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
-
-# One row: the gate/up gemv and the decode attention write max|output| partials for the down and o
-# gemvs' scales. An experiment switch (MLLMD_W8A8_AMAX=0: those gemvs read their input row twice,
-# as before) until the H200 A/B decides.
-AMAX_PARTS = os.environ.get("MLLMD_W8A8_AMAX", "1") != "0"
-
 
 def _triton_cuda(device: torch.device) -> str | None:
     if device.type != "cuda":
@@ -88,7 +81,9 @@ class TritonW8A8Kernel(QuantLinearKernel):
         return out.reshape(*x.shape[:-1], layer.weight.shape[0])
 
     takes_int8_input = True
-    takes_amax = AMAX_PARTS
+    # One row: the gate/up gemv and the decode attention write max|output| partials from which the
+    # down and o gemvs take their scales (they do not read their input row twice)
+    takes_amax = True
 
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
@@ -100,7 +95,7 @@ class TritonW8A8Kernel(QuantLinearKernel):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # One row: one gemv launch whose epilogue applies the activation (no silu_and_mul launch) and
         # writes max|output| partials, from which the down projection's gemv takes its scale.
-        return int8_gemm_silu_mul_amax(q, layer.weight, scale, layer.weight_scale, out_dtype, bias, amax=AMAX_PARTS)
+        return int8_gemm_silu_mul_amax(q, layer.weight, scale, layer.weight_scale, out_dtype, bias, amax=True)
 
     def apply_with_amax(
         self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
