@@ -216,10 +216,18 @@ if want ncu; then  # Nsight Compute on the batch-1 decode GEMVs (Firecracker mac
   stamp "ncu: one-row GEMVs"
   timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:gemv --launch-skip-before-match 0 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-    --section LaunchStats python3 scripts/ncu_gemv.py ${NCU_ARGS:-} > "$OUT/ncu_gemv.txt" 2>&1
+    --section LaunchStats python3 scripts/ncu_gemv.py ${NCU_ARGS:-} > "$OUT/ncu_gemv${NCU_TAG:-}.txt" 2>&1
   stamp "ncu rc=$?"
   grep -E "^# |gemv|Duration|Memory Throughput|DRAM Throughput|Achieved Occupancy|Registers Per|Stall|Warp Cycles Per Issued" \
-    "$OUT/ncu_gemv.txt" | head -120
+    "$OUT/ncu_gemv${NCU_TAG:-}.txt" | head -120
+  # where the warps wait (per issued instruction) and how busy each pipe is: a pass of its own, so a
+  # metric this ncu lacks cannot cost the sections above
+  timeout ${NCU_TIMEOUT:-300} ncu --clock-control none --kernel-name regex:gemv --launch-skip-before-match 0 \
+    --metrics 'regex:^smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,regex:^sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active$,smsp__issue_active.avg.pct_of_peak_sustained_active' \
+    python3 scripts/ncu_gemv.py ${NCU_ARGS:-} > "$OUT/ncu_stalls${NCU_TAG:-}.txt" 2>&1
+  stamp "ncu stalls rc=$?"
+  grep -E "^# |gemv|==ERR|==WARN" "$OUT/ncu_stalls${NCU_TAG:-}.txt" | head -10
+  awk '$3+0 >= 0.05 && /stalled|pipe|issue_active/ || /gemv_kernel/' "$OUT/ncu_stalls${NCU_TAG:-}.txt" | cut -c1-110 | head -90
 fi
 
 if want quant && [ -f kernels/mllmd_kernels/bench/bench_quant.py ]; then

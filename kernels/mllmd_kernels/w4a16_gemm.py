@@ -47,6 +47,8 @@ No host synchronisation: the launches depend only on shapes (CUDA-graph capturab
 from __future__ import annotations
 
 import functools
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +138,7 @@ class W4A16Config:
     split_k: int
     num_warps: int
     num_stages: int
+    sub_steps: int = 1  # "gemv": K steps per loop trip (sub_steps * block_k / 2 contiguous bytes a row)
 
 
 def group_block_k(block_k: int, group: int, k: int) -> int:
@@ -150,9 +153,30 @@ def group_block_k(block_k: int, group: int, k: int) -> int:
     return bk
 
 
+@functools.lru_cache(maxsize=1)
+def tuned_gemv_configs() -> dict[tuple[int, int], W4A16Config]:
+    """One-row tilings by (N, K) from the JSON file `$MLLMD_W4A16_TUNED` names (what
+    `bench_quant --sweep w4a16 --w4a16-tuned-out FILE` writes: {"N,K": config fields}); {} unset."""
+    path = os.environ.get("MLLMD_W4A16_TUNED")
+    if not path:
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    out = {}
+    for key, fields in raw.items():
+        cfg = W4A16Config(**fields)
+        if cfg.mode != "gemv" or cfg.block_m != 1:
+            raise ValueError(f"{path}: {key}: not a one-row gemv tiling: {fields}")
+        n, k = (int(v) for v in key.split(","))
+        out[(n, k)] = cfg
+    return out
+
+
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
 def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: int) -> W4A16Config:
     """Tile sizes for x[m, k] @ W[n, k]^T by M (decode / prefill), fitted to shared memory."""
+    if m == 1 and (n, k) in tuned_gemv_configs():
+        return tuned_gemv_configs()[(n, k)]
     if m == 1:
         # ALU-bound: a K step of 64 rows x 128 columns per program at 2 warps (16 words per thread; the
         # x planes are shared by the rows, the row scale by the words), prefetched 4 steps deep through
@@ -275,6 +299,60 @@ def _splitk_store(
 
 
 @triton.jit
+def _gemv_k_step(
+    acc,  # [BLOCK_N, BW] float32 (channel-wise: unscaled sums; else scaled)
+    w_ptrs,  # [BLOCK_N, BW] this step's words
+    x_ptrs,  # x at this step's first column
+    s_rows,  # [BLOCK_N] the rows' scales (group 0)
+    z_rows,  # [BLOCK_N] the rows' zero points (group 0; HAS_ZP)
+    magic,  # 0x4B000000 in a register
+    k_abs,  # this step's first column
+    k_left,  # columns of this program's split from here on (<= 0: a sub-step past K, all masked)
+    w_col,  # this step's first word column
+    K,
+    KW,
+    stride_sg,
+    stride_zg,
+    BLOCK_K: tl.constexpr,
+    GROUP_STEPS: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One K step of the one-row gemv: acc + the step's eight nibble planes times x's planes (times
+    the rows' scales of the step's group, unless channel-wise)."""
+    BW: tl.constexpr = BLOCK_K // 8
+    if GROUP_STEPS == 0:  # the row's zero point, an L1 hit after the first step (Triton 3.0, Orin's,
+        # cannot carry a tuple of biases from before the loop into it)
+        b0, b4, b8, b12, b16 = _biases(z_rows, HAS_ZP)
+    else:
+        g = tl.minimum(k_abs, K - 1) // (BLOCK_K * GROUP_STEPS)  # a sub-step past K reads the last group
+        s = tl.load(s_rows + g * stride_sg)
+        b0, b4, b8, b12, b16 = _biases(z_rows + g * stride_zg, HAS_ZP)
+    if EVEN_K:
+        words = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        word_mask = w_col + tl.arange(0, BW) < KW
+        words = tl.load(w_ptrs, mask=word_mask[None, :], other=0, eviction_policy="evict_first")
+    hi = words >> 16  # planes 5..7 at bits 4, 8, 12: one shift per word
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptrs, k_left, BW, EVEN_K)
+    part = _nibble(words, 0, magic, b0) * x0[None, :]
+    if GROUP_STEPS == 0:
+        part += acc
+    part += _nibble(words, 4, magic, b4) * x1[None, :]
+    part += _nibble(words, 8, magic, b8) * x2[None, :]
+    part += _nibble(words, 12, magic, b12) * x3[None, :]
+    part += _nibble(words, 16, magic, b16) * x4[None, :]
+    part += _nibble(hi, 4, magic, b4) * x5[None, :]
+    part += _nibble(hi, 8, magic, b8) * x6[None, :]
+    part += _nibble(hi, 12, magic, b12) * x7[None, :]
+    if GROUP_STEPS == 0:
+        acc = part
+    else:
+        acc += part * s[:, None]
+    return acc
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr,  # [1, K]
     w_ptr,  # [N, KW] int32
@@ -293,9 +371,10 @@ def _w4a16_gemv_kernel(
     stride_sg,
     stride_zn,
     stride_zg,
-    K_PER_SPLIT,  # multiple of BLOCK_K
+    K_PER_SPLIT,  # multiple of BLOCK_K * SUB_STEPS
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides the group: one scale per row and K step
+    SUB_STEPS: tl.constexpr,  # K steps per loop trip (each its own scale)
     GROUP_STEPS: tl.constexpr,  # K steps per group; 0: channel-wise
     HAS_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -322,37 +401,13 @@ def _w4a16_gemv_kernel(
     # takes one LOP3 ((words & mask) | magic) with the mask as its immediate.
     magic = tl.where(K > 0, 0x4B000000, 0)
     acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
-    for k0 in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):  # words prefetched through smem
-        if GROUP_STEPS == 0:  # the row's zero point, an L1 hit after the first step (Triton 3.0, Orin's,
-            # cannot carry a tuple of biases from before the loop into it)
-            b0, b4, b8, b12, b16 = _biases(z_rows, HAS_ZP)
-        else:
-            g = (k_start + k0) // (BLOCK_K * GROUP_STEPS)
-            s = tl.load(s_rows + g * stride_sg)
-            b0, b4, b8, b12, b16 = _biases(z_rows + g * stride_zg, HAS_ZP)
-        if EVEN_K:
-            words = tl.load(w_ptrs, eviction_policy="evict_first")
-        else:
-            word_mask = w_col + k0 // 8 + offs_w < KW
-            words = tl.load(w_ptrs, mask=word_mask[None, :], other=0, eviction_policy="evict_first")
-        hi = words >> 16  # planes 5..7 at bits 4, 8, 12: one shift per word
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptrs, k_len - k0, BW, EVEN_K)
-        part = _nibble(words, 0, magic, b0) * x0[None, :]
-        if GROUP_STEPS == 0:
-            part += acc
-        part += _nibble(words, 4, magic, b4) * x1[None, :]
-        part += _nibble(words, 8, magic, b8) * x2[None, :]
-        part += _nibble(words, 12, magic, b12) * x3[None, :]
-        part += _nibble(words, 16, magic, b16) * x4[None, :]
-        part += _nibble(hi, 4, magic, b4) * x5[None, :]
-        part += _nibble(hi, 8, magic, b8) * x6[None, :]
-        part += _nibble(hi, 12, magic, b12) * x7[None, :]
-        if GROUP_STEPS == 0:
-            acc = part
-        else:
-            acc += part * s[:, None]
-        w_ptrs += BW
-        x_ptrs += BLOCK_K
+    for k0 in tl.range(0, k_len, BLOCK_K * SUB_STEPS, num_stages=NUM_STAGES):  # words prefetched via smem
+        for sub in tl.static_range(SUB_STEPS):  # SUB_STEPS K steps: SUB_STEPS * BW contiguous words a row
+            acc = _gemv_k_step(acc, w_ptrs + sub * BW, x_ptrs + sub * BLOCK_K, s_rows, z_rows, magic,
+                               k_start + k0 + sub * BLOCK_K, k_len - k0 - sub * BLOCK_K, w_col + k0 // 8 + sub * BW,
+                               K, KW, stride_sg, stride_zg, BLOCK_K, GROUP_STEPS, HAS_ZP, EVEN_K)  # fmt: skip
+        w_ptrs += BW * SUB_STEPS
+        x_ptrs += BLOCK_K * SUB_STEPS
     out = tl.sum(acc, axis=1)
     if GROUP_STEPS == 0:
         out *= s_row
@@ -638,7 +693,8 @@ def w4a16_gemm(
         return out
     cfg = config or pick_w4a16_config(m, n, k, group, sm_count_for(x), max_shared_memory(x))
     bk = group_block_k(cfg.block_k, group, k)
-    even_k = k % bk == 0
+    sub = cfg.sub_steps if cfg.mode == "gemv" else 1
+    even_k = k % (bk * sub) == 0
     zp = w_zero_point if has_zp else w_scale  # any pointer: never read without HAS_ZP
     zs = (zp.stride(0), zp.stride(1))
     has_bias = bias is not None
@@ -653,7 +709,7 @@ def w4a16_gemm(
             num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
-    k_per_split = cdiv(cdiv(k, cfg.split_k), bk) * bk
+    k_per_split = cdiv(cdiv(k, cfg.split_k), bk * sub) * bk * sub
     split = cdiv(k, k_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (cdiv(n, cfg.block_n), split)
@@ -668,7 +724,8 @@ def w4a16_gemm(
         _w4a16_gemv_kernel[grid](
             x, w_packed, w_scale, zp, bias_arg, out, part, locks, n, k, kw, split, w_packed.stride(0),
             w_scale.stride(0), w_scale.stride(1), *zs, k_per_split,
-            BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_STEPS=0 if groups == 1 else group // bk, HAS_ZP=has_zp,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=sub, GROUP_STEPS=0 if groups == 1 else group // bk,
+            HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial, EVEN_K=even_k,
             NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from mllmd_kernels import (
@@ -127,6 +129,12 @@ GEMV = [
     (20, 100, None, False, W4A16Config("gemv", 1, 16, 256, 1, 1, 4, 1)),
     (130, 1024, 128, False, None),
     (36, 300, None, True, None),
+    # sub-steps (several K steps per loop trip, each with its own group's scale): trips across group
+    # borders, a trip past K (channel-wise, K % 8 != 0), a split whose last trip is partial
+    (40, 512, 32, True, W4A16Config("gemv", 1, 16, 32, 1, 1, 2, 2, sub_steps=4)),
+    (72, 768, 64, False, W4A16Config("gemv", 1, 32, 64, 1, 2, 4, 3, sub_steps=2)),
+    (33, 200, None, True, W4A16Config("gemv", 1, 16, 32, 1, 1, 4, 2, sub_steps=4)),
+    (50, 480, 32, False, W4A16Config("gemv", 1, 16, 32, 1, 2, 2, 2, sub_steps=4)),
 ]
 
 
@@ -150,6 +158,7 @@ def test_w4a16_gemv(
 
 SPLIT = [
     (1, W4A16Config("gemv", 1, 16, 32, 1, 3, 4, 1)),  # the last split partial
+    (1, W4A16Config("gemv", 1, 16, 32, 1, 2, 2, 2, sub_steps=2)),
     (1, W4A16Config("gemv", 1, 32, 64, 1, 4, 2, 2)),
     (5, W4A16Config("skinny", 16, 16, 32, 1, 3, 4, 2)),
     (13, W4A16Config("skinny", 16, 32, 64, 1, 2, 4, 2)),
@@ -224,3 +233,33 @@ def test_w4a16_dequantize_equals_reference(
         torch.testing.assert_close(out, ref, rtol=2**-7, atol=0)
     else:
         assert torch.equal(out, ref)
+
+
+def test_tuned_gemv_tilings_file(tmp_path, monkeypatch) -> None:
+    """MLLMD_W4A16_TUNED names a {"N,K": tiling} file that overrides the one-row pick for those shapes
+    only (the tiling runs and matches the reference); a tiling that is not a gemv is refused."""
+    from mllmd_kernels.w4a16_gemm import pick_w4a16_config, tuned_gemv_configs
+
+    tuned = W4A16Config("gemv", 1, 16, 32, 1, 2, 2, 2, sub_steps=4)
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps({"40,512": tuned.__dict__}))
+    monkeypatch.setenv("MLLMD_W4A16_TUNED", str(path))
+    for f in (tuned_gemv_configs, pick_w4a16_config):
+        f.cache_clear()
+    try:
+        assert pick_w4a16_config(1, 40, 512, 32, 132, 200_000) == tuned
+        assert pick_w4a16_config(1, 48, 512, 32, 132, 200_000) != tuned  # other shapes: the default
+        assert pick_w4a16_config(2, 40, 512, 32, 132, 200_000).mode == "skinny"
+        g = torch.Generator().manual_seed(5)
+        packed, scale, zp = make_weights(40, 512, 32, False, g)
+        x = randn(1, 512, dtype=torch.bfloat16, device=DEVICE, gen=g)
+        out = w4a16_gemm(x, packed, scale, zp)
+        assert rel_err(out, w4a16_gemm_ref(x.float(), packed, scale, zp)) < REL_TOL[torch.bfloat16]
+        path.write_text(json.dumps({"40,512": W4A16Config("skinny", 16, 16, 32, 1, 1, 4, 2).__dict__}))
+        tuned_gemv_configs.cache_clear()
+        with pytest.raises(ValueError, match="not a one-row gemv tiling"):
+            tuned_gemv_configs()
+    finally:
+        monkeypatch.delenv("MLLMD_W4A16_TUNED")
+        for f in (tuned_gemv_configs, pick_w4a16_config):
+            f.cache_clear()

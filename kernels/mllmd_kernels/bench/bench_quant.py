@@ -133,19 +133,22 @@ def _int8_candidates(m: int, n: int, k: int) -> list[Int8GemmConfig]:
 def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
     sms = num_sms()
     out = []
+    if m == 1:  # the gemv: (block_n, block_k, warps, stages, sub_steps); sub_steps * 64 contiguous bytes
+        # a row per loop trip (DRAM locality) at the same registers; K split for ~4-16 programs per SM
+        for bn, bk, warps, stages, sub in [
+            (64, 128, 2, 4, 1), (64, 128, 2, 3, 2), (64, 128, 2, 2, 4), (64, 128, 4, 3, 2), (128, 128, 4, 3, 1),
+            (128, 128, 4, 2, 2), (32, 128, 2, 4, 2), (32, 128, 2, 3, 4), (32, 128, 1, 4, 2), (32, 128, 1, 3, 4),
+            (16, 128, 2, 4, 4), (16, 128, 2, 3, 8), (16, 128, 1, 4, 4), (16, 128, 1, 3, 8)]:  # fmt: skip
+            tiles = -(-n // bn)
+            splits = {auto_split(tiles, k, bk * sub, sms, c, 2) for c in (4, 8, 16)}
+            out += [W4A16Config("gemv", 1, bn, bk, 1, s, warps, stages, sub) for s in sorted(splits)]
+        return out
     if m <= 64:
-        mode, bm = ("gemv", 1) if m == 1 else ("skinny", max(16, 1 << (m - 1).bit_length()))
-        tilings = ([(128, 128, 4, 3), (64, 128, 4, 3), (256, 128, 8, 2), (128, 128, 8, 2), (32, 128, 4, 3),
-                    (256, 128, 4, 1), (64, 64, 4, 4), (256, 128, 4, 3), (128, 128, 2, 3), (64, 128, 2, 4),
-                    (128, 128, 4, 5)] if m == 1 else
-                   [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)])  # fmt: skip
-        runs = [(mode, bm, t) for t in tilings]
-        if m == 1:  # the tensor-core tiling too, its one row padded to 16 (dequantizing is the gemv's limit)
-            runs += [("skinny", 16, t) for t in [(64, 128, 4, 4), (128, 128, 4, 3), (32, 128, 4, 4), (64, 256, 4, 3)]]
-        for mode_, bm_, (bn, bk, warps, stages) in runs:
+        bm = max(16, 1 << (m - 1).bit_length())
+        for bn, bk, warps, stages in [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)]:
             tiles = -(-n // bn)
             splits = {1} | {auto_split(tiles, k, bk, sms, c, 2) for c in (2, 4, 8, 16)}
-            out += [W4A16Config(mode_, bm_, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
+            out += [W4A16Config("skinny", bm, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
         return out
     return [W4A16Config("gemm", bm, bn, bk, 8, 1, w, st) for bm, bn, bk, w, st in [
         (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 3),
@@ -256,6 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16"], default=None,
                    help="also time a list of tilings per case (of these kernels; all when none named)")
+    p.add_argument("--w4a16-tuned-out", default=None,
+                   help="write the W4A16 sweep's best one-row tiling per (N, K) here (MLLMD_W4A16_TUNED's format)")
     args = p.parse_args(argv)
     sweep = [] if args.sweep is None else (args.sweep or ["int8", "w4a16"])
     global TMA_OK
@@ -287,6 +292,13 @@ def main(argv: list[str] | None = None) -> None:
         print("# sweeps: best tiling per case")
         for r in sweeps:
             print(json.dumps({k: r[k] for k in ("kernel", "shape", "us", "best_us", "best_config")}))
+    if args.w4a16_tuned_out:
+        dims = {r["shape"]: dict(f.split("=") for f in r["shape"].split()[1:]) for r in sweeps}
+        best = {f"{dims[r['shape']]['N']},{dims[r['shape']]['K']}": r["best_config"] for r in sweeps
+                if r["kernel"] == "w4a16" and dims[r["shape"]]["M"] == "1" and r["best_config"]["mode"] == "gemv"}  # fmt: skip
+        with open(args.w4a16_tuned_out, "w") as f:
+            json.dump(best, f, indent=1)
+        print(f"# W4A16 one-row tilings for {len(best)} shapes -> {args.w4a16_tuned_out}")
     print_table([r for r in ROWS if r.get("kernel") != "bf16"])
     print(f"# total {time.time() - t0:.0f}s")
 
