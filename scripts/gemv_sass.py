@@ -77,7 +77,7 @@ def w4a16_gemv(n: int, k: int, group: int, arch: int) -> dict[str, Any]:
            "SPLIT_K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_sg": "i32", "stride_zn": "i32",
            "stride_zg": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
     pdl = arch >= 90
-    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=cfg.sub_steps, GROUP_STEPS=0 if group >= k else group // bk, HAS_ZP=False,
+    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=cfg.sub_steps, TILED_W=False, LOAD_ONLY=False, GROUP_STEPS=0 if group >= k else group // bk, HAS_ZP=False,
                   HAS_BIAS=False, IS_SPLIT=split > 1, SERIAL=split > 1, EVEN_K=k % bk == 0,
                   NUM_STAGES=cfg.num_stages, USE_PDL=pdl)  # fmt: skip
     opts: dict[str, Any] = {"num_stages": cfg.num_stages, "enable_fp_fusion": True}

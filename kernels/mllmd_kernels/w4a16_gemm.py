@@ -139,6 +139,9 @@ class W4A16Config:
     num_warps: int
     num_stages: int
     sub_steps: int = 1  # "gemv": K steps per loop trip (sub_steps * block_k / 2 contiguous bytes a row)
+    # Bench-only probes of the "gemv" tiling (bench_quant's DRAM-locality experiment; never picked):
+    tiled_w: bool = False  # w_packed laid out by `tile_words` (each program's K-step tile contiguous)
+    load_only: bool = False  # one FMA a word instead of the nibble planes (wrong sums: a bandwidth probe)
 
 
 def group_block_k(block_k: int, group: int, k: int) -> int:
@@ -317,9 +320,11 @@ def _gemv_k_step(
     GROUP_STEPS: tl.constexpr,
     HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    LOAD_ONLY: tl.constexpr = False,
 ):
     """One K step of the one-row gemv: acc + the step's eight nibble planes times x's planes (times
-    the rows' scales of the step's group, unless channel-wise)."""
+    the rows' scales of the step's group, unless channel-wise). LOAD_ONLY (a probe): the same loads,
+    one FMA a word."""
     BW: tl.constexpr = BLOCK_K // 8
     if GROUP_STEPS == 0:  # the row's zero point, an L1 hit after the first step (Triton 3.0, Orin's,
         # cannot carry a tuple of biases from before the loop into it)
@@ -335,16 +340,21 @@ def _gemv_k_step(
         words = tl.load(w_ptrs, mask=word_mask[None, :], other=0, eviction_policy="evict_first")
     hi = words >> 16  # planes 5..7 at bits 4, 8, 12: one shift per word
     x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_ptrs, k_left, BW, EVEN_K)
-    part = _nibble(words, 0, magic, b0) * x0[None, :]
-    if GROUP_STEPS == 0:
-        part += acc
-    part += _nibble(words, 4, magic, b4) * x1[None, :]
-    part += _nibble(words, 8, magic, b8) * x2[None, :]
-    part += _nibble(words, 12, magic, b12) * x3[None, :]
-    part += _nibble(words, 16, magic, b16) * x4[None, :]
-    part += _nibble(hi, 4, magic, b4) * x5[None, :]
-    part += _nibble(hi, 8, magic, b8) * x6[None, :]
-    part += _nibble(hi, 12, magic, b12) * x7[None, :]
+    if LOAD_ONLY:
+        part = words.to(tl.float32, bitcast=True) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
+        if GROUP_STEPS == 0:
+            part += acc
+    else:
+        part = _nibble(words, 0, magic, b0) * x0[None, :]
+        if GROUP_STEPS == 0:
+            part += acc
+        part += _nibble(words, 4, magic, b4) * x1[None, :]
+        part += _nibble(words, 8, magic, b8) * x2[None, :]
+        part += _nibble(words, 12, magic, b12) * x3[None, :]
+        part += _nibble(words, 16, magic, b16) * x4[None, :]
+        part += _nibble(hi, 4, magic, b4) * x5[None, :]
+        part += _nibble(hi, 8, magic, b8) * x6[None, :]
+        part += _nibble(hi, 12, magic, b12) * x7[None, :]
     if GROUP_STEPS == 0:
         acc = part
     else:
@@ -375,6 +385,8 @@ def _w4a16_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides the group: one scale per row and K step
     SUB_STEPS: tl.constexpr,  # K steps per loop trip (each its own scale)
+    TILED_W: tl.constexpr,  # probe: words in `tile_words` order
+    LOAD_ONLY: tl.constexpr,  # probe: no nibble math
     GROUP_STEPS: tl.constexpr,  # K steps per group; 0: channel-wise
     HAS_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -391,7 +403,13 @@ def _w4a16_gemv_kernel(
     pdl_sync(USE_PDL)
     offs_w = tl.arange(0, BW)
     w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (w_col + offs_w)[None, :]
+    if TILED_W:  # [N / BLOCK_N, KW / BW] tiles of BLOCK_N x BW words, each contiguous
+        WSTEP: tl.constexpr = BLOCK_N * BW
+        tile0 = tl.program_id(0).to(tl.int64) * (KW // BW) + w_col // BW
+        w_ptrs = w_ptr + tile0 * WSTEP + tl.arange(0, BLOCK_N)[:, None] * BW + offs_w[None, :]
+    else:
+        WSTEP: tl.constexpr = BW
+        w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (w_col + offs_w)[None, :]
     x_ptrs = x_ptr + k_start
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
@@ -403,10 +421,10 @@ def _w4a16_gemv_kernel(
     acc = tl.zeros((BLOCK_N, BW), dtype=tl.float32)
     for k0 in tl.range(0, k_len, BLOCK_K * SUB_STEPS, num_stages=NUM_STAGES):  # words prefetched via smem
         for sub in tl.static_range(SUB_STEPS):  # SUB_STEPS K steps: SUB_STEPS * BW contiguous words a row
-            acc = _gemv_k_step(acc, w_ptrs + sub * BW, x_ptrs + sub * BLOCK_K, s_rows, z_rows, magic,
+            acc = _gemv_k_step(acc, w_ptrs + sub * WSTEP, x_ptrs + sub * BLOCK_K, s_rows, z_rows, magic,
                                k_start + k0 + sub * BLOCK_K, k_len - k0 - sub * BLOCK_K, w_col + k0 // 8 + sub * BW,
-                               K, KW, stride_sg, stride_zg, BLOCK_K, GROUP_STEPS, HAS_ZP, EVEN_K)  # fmt: skip
-        w_ptrs += BW * SUB_STEPS
+                               K, KW, stride_sg, stride_zg, BLOCK_K, GROUP_STEPS, HAS_ZP, EVEN_K, LOAD_ONLY)  # fmt: skip
+        w_ptrs += WSTEP * SUB_STEPS
         x_ptrs += BLOCK_K * SUB_STEPS
     out = tl.sum(acc, axis=1)
     if GROUP_STEPS == 0:
@@ -650,6 +668,16 @@ def w4a16_dequantize(
     return out
 
 
+def tile_words(w_packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """w_packed [N, KW] with each [block_n, block_k / 8] tile contiguous, tiles in (N tile, K step)
+    order: the layout a W4A16Config(tiled_w=True) gemv reads (bench_quant's DRAM-locality probe).
+    N must be a multiple of block_n and KW of block_k / 8."""
+    n, kw = w_packed.shape
+    bw = block_k // 8
+    assert n % block_n == 0 and kw % bw == 0, f"{tuple(w_packed.shape)} is not whole {block_n}x{bw} tiles"
+    return w_packed.view(n // block_n, block_n, kw // bw, bw).permute(0, 2, 1, 3).contiguous().view(n, kw)
+
+
 def splitk_counter_len(n: int) -> int:
     """How many split-K counters a layer of N outputs needs: one per output tile of the narrowest
     (16-column) tiling any decode config picks."""
@@ -724,7 +752,8 @@ def w4a16_gemm(
         _w4a16_gemv_kernel[grid](
             x, w_packed, w_scale, zp, bias_arg, out, part, locks, n, k, kw, split, w_packed.stride(0),
             w_scale.stride(0), w_scale.stride(1), *zs, k_per_split,
-            BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=sub, GROUP_STEPS=0 if groups == 1 else group // bk,
+            BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=sub, TILED_W=cfg.tiled_w, LOAD_ONLY=cfg.load_only,
+            GROUP_STEPS=0 if groups == 1 else group // bk,
             HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial, EVEN_K=even_k,
             NUM_STAGES=cfg.num_stages,

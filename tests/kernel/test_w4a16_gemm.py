@@ -263,3 +263,23 @@ def test_tuned_gemv_tilings_file(tmp_path, monkeypatch) -> None:
         monkeypatch.delenv("MLLMD_W4A16_TUNED")
         for f in (tuned_gemv_configs, pick_w4a16_config):
             f.cache_clear()
+
+
+@pytest.mark.parametrize("sub", [1, 2])
+def test_tiled_words_probe_equals_stored_layout(sub: int) -> None:
+    """bench_quant's DRAM-locality probe: `tile_words` re-lays the words tile by tile and the gemv
+    reading that layout (tiled_w) gives the stored layout's outputs bit for bit."""
+    from mllmd_kernels.w4a16_gemm import tile_words
+
+    n, k, group = 64, 512, 64
+    g = torch.Generator().manual_seed(11 + sub)
+    packed, scale, _ = make_weights(n, k, group, False, g)
+    x = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    cfg = W4A16Config("gemv", 1, 16, 64, 1, 2, 2, 2, sub_steps=sub)
+    tiled_cfg = W4A16Config("gemv", 1, 16, 64, 1, 2, 2, 2, sub_steps=sub, tiled_w=True)
+    tiled = tile_words(packed, 16, 64)
+    assert not torch.equal(tiled, packed)
+    assert torch.equal(tiled.flatten()[:128], packed[:16, :8].flatten())  # the first tile leads
+    want = w4a16_gemm(x, packed, scale, config=cfg)
+    assert torch.equal(w4a16_gemm(x, tiled, scale, config=tiled_cfg), want)
+    assert rel_err(want, w4a16_gemm_ref(x.float(), packed, scale)) < REL_TOL[torch.bfloat16]

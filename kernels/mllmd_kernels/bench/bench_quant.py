@@ -61,6 +61,7 @@ from mllmd_kernels.w4a16_gemm import (
     W4A16Config,
     pick_w4a16_config,
     splitk_counter_len,
+    tile_words,
     w4a16_dequantize,
     w4a16_gemm,
     w4a16_gemm_ref,
@@ -240,6 +241,8 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     if cfg4.split_k > 1:  # the same launch with the partials added by a second launch, for comparison
         extra["us_reduce_launch"] = round(time_calls(lambda i: gemm4(i, serial=False), sets), 2)
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
+    if m == 1 and "w4a16" in sweep:
+        _w4a16_probes(name, n, k, xs, w4, s4, counters, sets, copy_gbps, w4_bytes)
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
     if m > 64:  # dequantize + cuBLAS (what TritonW4A16Kernel runs from DEQUANT_MIN_ROWS rows on), to compare
@@ -250,6 +253,33 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         err = _rel(dq4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
         t = time_calls(dq4, sets)
         emit(_line("w4a16_dequant_cublas", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP))
+
+
+# The one-row gemv's limit, probed (bench only): each tiling as it runs, with `load_only` (the same
+# loads, one FMA a word: what the loads alone cost), with `tiled_w` (each program's K-step tile
+# contiguous in memory: DRAM locality), and with both.
+PROBE_TILINGS = [(64, 128, 2, 4, 1), (64, 128, 2, 3, 4), (16, 128, 2, 4, 8), (16, 128, 1, 4, 4)]
+
+
+def _w4a16_probes(name: str, n: int, k: int, xs: list[torch.Tensor], w4: list[torch.Tensor], s4: list[torch.Tensor],
+                  counters: torch.Tensor, sets: int, copy_gbps: float, w4_bytes: int) -> None:  # fmt: skip
+    sms, sets4 = num_sms(), len(w4)
+    tiled: dict[int, list[torch.Tensor]] = {}
+    for bn, bk, warps, stages, sub in PROBE_TILINGS:
+        if bn not in tiled:
+            tiled[bn] = [tile_words(w, bn, bk) for w in w4]
+        split = auto_split(-(-n // bn), k, bk * sub, sms, 6, 2)
+        for tw, lo in [(False, False), (False, True), (True, False), (True, True)]:
+            c = W4A16Config("gemv", 1, bn, bk, 1, split, warps, stages, sub, tiled_w=tw, load_only=lo)
+            ws = tiled[bn] if tw else w4
+
+            def run(i: int, c: W4A16Config = c, ws: list[torch.Tensor] = ws) -> torch.Tensor:
+                return w4a16_gemm(xs[i], ws[i % sets4], s4[i % sets4], config=c, splitk_counters=counters)
+
+            t = time_calls(run, sets)
+            emit(_line("w4a16_probe", name, 1, n, k, t, None, w4_bytes, copy_gbps, config=c.__dict__))
+        if not SMOKE:
+            torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> None:
