@@ -135,6 +135,7 @@ GEMV = [
     (72, 768, 64, False, W4A16Config("gemv", 1, 32, 64, 1, 2, 4, 3, sub_steps=2)),
     (33, 200, None, True, W4A16Config("gemv", 1, 16, 32, 1, 1, 4, 2, sub_steps=4)),
     (50, 480, 32, False, W4A16Config("gemv", 1, 16, 32, 1, 2, 2, 2, sub_steps=4)),
+    (24, 2048, 128, False, W4A16Config("gemv", 1, 16, 128, 1, 1, 2, 1, sub_steps=8)),  # no smem pipeline
 ]
 
 

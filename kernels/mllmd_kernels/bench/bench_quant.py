@@ -136,12 +136,14 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
     out = []
     if m == 1:  # the gemv: (block_n, block_k, warps, stages, sub_steps); sub_steps * 64 contiguous bytes
         # a row per loop trip (DRAM locality) at the same registers; K split for ~4-16 programs per SM
+        # stages 1: no shared-memory pipeline, the trip's words loaded straight into registers (as the
+        # int8 gemv does); the H200 sweep of stages 2-4 (cp.async) found none faster than the default
         for bn, bk, warps, stages, sub in [
-            (64, 128, 2, 4, 1), (64, 128, 2, 3, 2), (64, 128, 2, 2, 4), (64, 128, 4, 3, 2), (128, 128, 4, 3, 1),
-            (128, 128, 4, 2, 2), (32, 128, 2, 4, 2), (32, 128, 2, 3, 4), (32, 128, 1, 4, 2), (32, 128, 1, 3, 4),
-            (16, 128, 2, 4, 4), (16, 128, 2, 3, 8), (16, 128, 1, 4, 4), (16, 128, 1, 3, 8)]:  # fmt: skip
+            (64, 128, 2, 4, 1), (64, 128, 2, 3, 2), (16, 128, 2, 1, 8), (16, 128, 2, 1, 16), (32, 128, 2, 1, 4),
+            (32, 128, 2, 1, 8), (64, 128, 2, 1, 2), (64, 128, 2, 1, 4), (16, 128, 1, 1, 8), (32, 128, 4, 1, 8),
+            (64, 128, 4, 1, 4), (16, 128, 2, 2, 8), (64, 128, 2, 1, 1), (32, 128, 1, 1, 4)]:  # fmt: skip
             tiles = -(-n // bn)
-            splits = {auto_split(tiles, k, bk * sub, sms, c, 2) for c in (4, 8, 16)}
+            splits = {auto_split(tiles, k, bk * sub, sms, c, 2) for c in (2, 4, 8, 16)}
             out += [W4A16Config("gemv", 1, bn, bk, 1, s, warps, stages, sub) for s in sorted(splits)]
         return out
     if m <= 64:
@@ -157,7 +159,8 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
 
 
 def _sweep(kernel: str, name: str, m: int, default_us: float, default_cfg: Any, cands: list[Any],
-           run: Callable[[int, Any], Any], sets: int) -> dict[str, Any]:  # fmt: skip
+           run: Callable[[int, Any], Any], sets: int,
+           check: Callable[[torch.Tensor], float] | None = None) -> dict[str, Any]:  # fmt: skip
     best = (default_us, default_cfg)
     for c in cands:
         try:
@@ -165,7 +168,13 @@ def _sweep(kernel: str, name: str, m: int, default_us: float, default_cfg: Any, 
         except Exception as exc:  # noqa: BLE001 - a tiling that does not compile or fit is skipped
             print(f"# {kernel} {name} M={m} {c}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
-        emit({"kernel": f"{kernel}_sweep", "name": name, "M": m, "config": c.__dict__, "us": round(t, 2)})
+        line = {"kernel": f"{kernel}_sweep", "name": name, "M": m, "config": c.__dict__, "us": round(t, 2)}
+        if check is not None:  # every candidate's output against the reference: a fast wrong tiling cannot win
+            line["rel_err"] = check(run(0, c))
+            if line["rel_err"] > 2e-2:
+                emit({**line, "error": "wrong output"})
+                continue
+        emit(line)
         if t < best[0]:
             best = (t, c)
     return {"best_us": round(best[0], 2), "best_config": best[1].__dict__}
@@ -237,7 +246,9 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     cfg4 = pick_w4a16_config(m, n, k, GROUP, sms, smem)
     err = _rel(gemm4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
     t = time_calls(gemm4, sets)
-    extra = _sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets) if "w4a16" in sweep else {}
+    ref4 = w4a16_gemm_ref(xs[0], w4[0], s4[0])
+    extra = (_sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets, lambda out: _rel(out, ref4))
+             if "w4a16" in sweep else {})  # fmt: skip
     if cfg4.split_k > 1:  # the same launch with the partials added by a second launch, for comparison
         extra["us_reduce_launch"] = round(time_calls(lambda i: gemm4(i, serial=False), sets), 2)
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
@@ -258,7 +269,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
 # The one-row gemv's limit, probed (bench only): each tiling as it runs, with `load_only` (the same
 # loads, one FMA a word: what the loads alone cost), with `tiled_w` (each program's K-step tile
 # contiguous in memory: DRAM locality), and with both.
-PROBE_TILINGS = [(64, 128, 2, 4, 1), (64, 128, 2, 3, 4), (16, 128, 2, 4, 8), (16, 128, 1, 4, 4)]
+PROBE_TILINGS = [(64, 128, 2, 4, 1), (16, 128, 2, 1, 8), (32, 128, 2, 1, 4), (64, 128, 2, 1, 2)]
 
 
 def _w4a16_probes(name: str, n: int, k: int, xs: list[torch.Tensor], w4: list[torch.Tensor], s4: list[torch.Tensor],
