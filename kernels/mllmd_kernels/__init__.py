@@ -27,8 +27,10 @@ from mllmd_kernels.rope import rope, rope_ref
 from mllmd_kernels.sampling import gumbel_argmax, gumbel_argmax_ref
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
 from mllmd_kernels.w4a16_gemm import (
+    SCALE_DTYPES,
     W4A16Config,
     dequantize_int4_ref,
+    narrowest_exact_scale,
     pack_int4_ref,
     pick_w4a16_config,
     prefers_dequant,
@@ -44,6 +46,7 @@ __all__ = [
     "HAS_TRITON",
     "GemvConfig",
     "Int8GemmConfig",
+    "SCALE_DTYPES",
     "W4A16Config",
     "decode_attention",
     "decode_attention_ref",
@@ -64,6 +67,7 @@ __all__ = [
     "interpreting",
     "kv_indices",
     "kv_indices_ref",
+    "narrowest_exact_scale",
     "pack_int4_ref",
     "pick_gemv_config",
     "pick_int8_config",

@@ -4,7 +4,8 @@ Weights as compressed-tensors packs them ("pack-quantized"): `w_packed` int32 [N
 4-bit values per word along K, value i of a word in bits [4i, 4i + 4), stored as q + 8; `w_scale`
 float32 [N, G] (one scale per group of K / G columns; G = 1 is channel-wise); `w_zero_point` int8
 [N, G] in [-8, 7] (unpacked; asymmetric schemes only). w = (q - zero_point) * scale.
-The packed words are read as stored. Scales and zero points may have any strides: a column-major
+The packed words are read as stored. Scales may also be bf16 / fp16 (SCALE_DTYPES; widened to float32
+on load). Scales and zero points may have any strides: a column-major
 [N, G] (`.t().contiguous().t()`, what TritonW4A16Kernel keeps) makes each K step's BLOCK_N scales
 one contiguous read.
 
@@ -222,7 +223,7 @@ def _dequant_f32(
     words = tl.interleave(words, words)  # column c holds word c // 8
     shifts = (tl.arange(0, BLOCK_K) % 8) * 4
     f = (((words >> shifts[None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + nibble
-    s = tl.load(s_ptrs)
+    s = tl.load(s_ptrs).to(tl.float32)
     if HAS_ZP:
         f = f - (8388616.0 + tl.load(z_ptrs).to(tl.float32))[:, None]  # 2**23 + 8 + zero point
     else:
@@ -331,7 +332,7 @@ def _gemv_k_step(
         b0, b4, b8, b12, b16 = _biases(z_rows, HAS_ZP)
     else:
         g = tl.minimum(k_abs, K - 1) // (BLOCK_K * GROUP_STEPS)  # a sub-step past K reads the last group
-        s = tl.load(s_rows + g * stride_sg)
+        s = tl.load(s_rows + g * stride_sg).to(tl.float32)
         b0, b4, b8, b12, b16 = _biases(z_rows + g * stride_zg, HAS_ZP)
     if EVEN_K:
         words = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -366,7 +367,7 @@ def _gemv_k_step(
 def _w4a16_gemv_kernel(
     x_ptr,  # [1, K]
     w_ptr,  # [N, KW] int32
-    s_ptr,  # [N, G] float32 (any strides)
+    s_ptr,  # [N, G] float32 / bf16 / fp16 (any strides)
     z_ptr,  # [N, G] int8 (HAS_ZP)
     bias_ptr,  # [N] (HAS_BIAS: unsplit, or split with SERIAL)
     y_ptr,  # [1, N] (unsplit, or split with SERIAL)
@@ -414,7 +415,7 @@ def _w4a16_gemv_kernel(
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
     if GROUP_STEPS == 0:  # channel-wise: one scale per row, applied after the loop
-        s_row = tl.load(s_rows)
+        s_row = tl.load(s_rows).to(tl.float32)
     # 2**23's bits (0x4B000000) in a register, not a constant the compiler can fold: each nibble then
     # takes one LOP3 ((words & mask) | magic) with the mask as its immediate.
     magic = tl.where(K > 0, 0x4B000000, 0)
@@ -442,7 +443,7 @@ def _w4a16_gemv_kernel(
 def _w4a16_decode_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, KW] int32
-    s_ptr,  # [N, G] float32 (any strides)
+    s_ptr,  # [N, G] float32 / bf16 / fp16 (any strides)
     z_ptr,  # [N, G] int8 (HAS_ZP)
     bias_ptr,  # [N] (HAS_BIAS: unsplit, or split with SERIAL)
     y_ptr,  # [M, N] (unsplit, or split with SERIAL)
@@ -519,7 +520,7 @@ def _w4a16_decode_kernel(
 def _w4a16_gemm_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, KW] int32
-    s_ptr,  # [N, G] float32
+    s_ptr,  # [N, G] float32 / bf16 / fp16
     z_ptr,  # [N, G] int8 (HAS_ZP)
     bias_ptr,  # [N] (HAS_BIAS)
     y_ptr,  # [M, N]
@@ -605,7 +606,7 @@ def _splitk_reduce_kernel(
 @triton.jit
 def _w4a16_dequant_kernel(
     w_ptr,  # [N, KW] int32
-    s_ptr,  # [N, G] float32
+    s_ptr,  # [N, G] float32 / bf16 / fp16
     z_ptr,  # [N, G] int8 (HAS_ZP)
     out_ptr,  # [N, K]
     N,
@@ -644,7 +645,7 @@ def _w4a16_dequant_kernel(
 
 def w4a16_dequantize(
     w_packed: torch.Tensor,  # [N, ceil(K / 8)] int32
-    w_scale: torch.Tensor,  # [N, G] float32 (any strides)
+    w_scale: torch.Tensor,  # [N, G] float32 / bf16 / fp16 (any strides)
     w_zero_point: torch.Tensor | None,  # [N, G] int8
     in_features: int,
     dtype: torch.dtype,
@@ -668,6 +669,21 @@ def w4a16_dequantize(
     return out
 
 
+# Scale dtypes the kernels read (each widened to float32 on load, so a bf16 scale that holds the
+# float32 value exactly gives the same products): compressed-tensors writes a bf16 model's scales in bf16.
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def narrowest_exact_scale(scale: torch.Tensor) -> torch.Tensor:
+    """`scale` in bf16 (else fp16) where that dtype holds every value exactly, else unchanged: half
+    the scale bytes a step reads, the same products."""
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = scale.to(dtype)
+        if torch.equal(narrow.to(scale.dtype), scale):
+            return narrow
+    return scale
+
+
 def tile_words(w_packed: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """w_packed [N, KW] with each [block_n, block_k / 8] tile contiguous, tiles in (N tile, K step)
     order: the layout a W4A16Config(tiled_w=True) gemv reads (bench_quant's DRAM-locality probe).
@@ -687,7 +703,7 @@ def splitk_counter_len(n: int) -> int:
 def w4a16_gemm(
     x: torch.Tensor,  # [M, K] fp16 / bf16 / fp32
     w_packed: torch.Tensor,  # [N, ceil(K / 8)] int32
-    w_scale: torch.Tensor,  # [N, G] float32 (any strides; column-major is best)
+    w_scale: torch.Tensor,  # [N, G] SCALE_DTYPES (any strides; column-major is best)
     w_zero_point: torch.Tensor | None = None,  # [N, G] int8 in [-8, 7]
     bias: torch.Tensor | None = None,  # [N]
     out: torch.Tensor | None = None,  # [M, N] x.dtype
@@ -707,7 +723,9 @@ def w4a16_gemm(
     assert w_packed.dtype == torch.int32 and kw == cdiv(k, 8), (
         f"w_packed {tuple(w_packed.shape)} for K={k}"
     )
-    assert w_scale.dim() == 2 and w_scale.shape[0] == n and w_scale.dtype == torch.float32
+    assert w_scale.dim() == 2 and w_scale.shape[0] == n and w_scale.dtype in SCALE_DTYPES, (
+        f"w_scale must be one of {SCALE_DTYPES}, not {w_scale.dtype}"
+    )
     groups = w_scale.shape[1]
     assert k % groups == 0, f"K={k} is not a multiple of {groups} groups"
     group = k // groups

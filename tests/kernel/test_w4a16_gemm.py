@@ -284,3 +284,29 @@ def test_tiled_words_probe_equals_stored_layout(sub: int) -> None:
     want = w4a16_gemm(x, packed, scale, config=cfg)
     assert torch.equal(w4a16_gemm(x, tiled, scale, config=tiled_cfg), want)
     assert rel_err(want, w4a16_gemm_ref(x.float(), packed, scale)) < REL_TOL[torch.bfloat16]
+
+
+def test_narrow_scales_give_the_float32_bits_on_every_path() -> None:
+    """bf16 / fp16 scales holding the float32 values exactly give the float32 scales' outputs bit for
+    bit (gemv, skinny, gemm, dequantize); narrowest_exact_scale narrows only where exact; integer
+    scales are refused, the dtype named."""
+    from mllmd_kernels import narrowest_exact_scale
+
+    n, k, group = 48, 256, 64
+    g = torch.Generator().manual_seed(21)
+    packed, scale, zp = make_weights(n, k, group, True, g)
+    bf16_exact = scale.to(torch.bfloat16).float()
+    fp16_only = (scale * 0 + 1 + 2.0**-9).clone()  # 1 + 2**-9: exact in fp16, not in bf16
+    assert narrowest_exact_scale(bf16_exact).dtype == torch.bfloat16
+    assert narrowest_exact_scale(fp16_only).dtype == torch.float16
+    assert narrowest_exact_scale(scale).dtype == torch.float32  # random float32: neither holds it
+    for wide in (bf16_exact, fp16_only):
+        narrow = narrowest_exact_scale(wide)
+        for m in (1, 5, 70):
+            x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+            assert torch.equal(w4a16_gemm(x, packed, narrow, zp), w4a16_gemm(x, packed, wide, zp)), f"M={m}"
+        assert torch.equal(
+            w4a16_dequantize(packed, narrow, zp, k, torch.bfloat16), w4a16_dequantize(packed, wide, zp, k, torch.bfloat16)
+        )
+    with pytest.raises(AssertionError, match="torch.int32"):
+        w4a16_gemm(randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g), packed, scale.to(torch.int32))

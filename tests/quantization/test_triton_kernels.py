@@ -10,7 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from mllmd_kernels import dequantize_int4_ref, int8_quant_ref, pack_int4_ref, silu_and_mul, unpack_int4_ref
+from mllmd_kernels import (
+    dequantize_int4_ref,
+    int8_quant_ref,
+    narrowest_exact_scale,
+    pack_int4_ref,
+    silu_and_mul,
+    unpack_int4_ref,
+)
 from mllmd_kernels.testing import REL_TOL, close_tol, kernel_device, on_gpu, rel_err, skip_reason
 
 from mllmd.models.layers import Int8Rows, Linear, MergedLinear, SiluAndMul
@@ -135,6 +142,8 @@ def _compare(make: Any, method: str, dtype: torch.dtype, k: int, tokens: tuple[i
     ref_layer = _prepare(make(), _REFERENCE[method])
     layer = make()
     before = _param_bytes(layer)
+    if method == "w4a16":  # the one change allowed: scales narrowed to bf16 / fp16 where that is exact
+        before["weight_scale"] = (before["weight_scale"][0], narrowest_exact_scale(layer.weight_scale.data).dtype)
     _prepare(layer, _TRITON[method])
     assert _param_bytes(layer) == before, "the Triton kernel changed what the layer stores"
     g = torch.Generator().manual_seed(sum(tokens))
@@ -163,6 +172,38 @@ def test_triton_kernel_equals_reference_kernel(variant: str, dtype: torch.dtype)
     fused = {"gate": 40, "up": 24}
     _compare(lambda: _random_layer(scheme, k, fused, False, dtype, 1), scheme.method, dtype, k, (1, 5, 70))
     _compare(lambda: _random_layer(scheme, k, {"o": 24}, True, dtype, 2), scheme.method, dtype, k, (1, 3, 260))  # 260 rows: the dequantize + matmul path
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["g128", "channel_asym"])
+def test_w4a16_kernel_keeps_exact_bf16_scales_in_bf16(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scales that bf16 holds exactly (a bf16 checkpoint's) stay bf16 on the layer: half the bytes,
+    and outputs bit for bit those of the same layer kept in float32 (1 row, a few, the dequantize
+    path); scales bf16 cannot hold stay float32."""
+    pytest.importorskip("compressed_tensors")
+    scheme, k = W4A16_SCHEMES[variant], 256
+
+    def make() -> Linear:
+        layer = _random_layer(scheme, k, {"gate": 40, "up": 24}, False, torch.bfloat16, 3)
+        layer.weight_scale.data = layer.weight_scale.data.to(torch.bfloat16).float()  # as loaded from bf16
+        return layer
+
+    narrow = _prepare(make(), TritonW4A16Kernel)
+    assert narrow.weight_scale.dtype == torch.bfloat16 and narrow.weight_scale.stride(0) == 1
+    import mllmd.models.quantization.triton_kernels as tk
+
+    monkeypatch.setattr(tk, "narrowest_exact_scale", lambda s: s)
+    wide = _prepare(make(), TritonW4A16Kernel)
+    assert wide.weight_scale.dtype == torch.float32
+    assert torch.equal(narrow.weight_scale.float(), wide.weight_scale)
+    g = torch.Generator().manual_seed(4)
+    for t in (1, 3, 300):
+        x = torch.randn(t, k, generator=g).to(dtype=torch.bfloat16, device=DEVICE)
+        with torch.no_grad():
+            assert torch.equal(narrow(x), wide(x)), f"T={t}"
+    monkeypatch.undo()
+    inexact = _prepare(_random_layer(scheme, k, {"o": 24}, False, torch.bfloat16, 5), TritonW4A16Kernel)
+    assert inexact.weight_scale.dtype == torch.float32
 
 
 def _checkpoint_layer(

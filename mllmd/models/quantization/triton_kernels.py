@@ -14,13 +14,16 @@
 * TritonW4A16Kernel: int4 unpacked and dequantized inside the GEMM (`w4a16_gemm`), a split-K decode
   path for small batches (each layer keeps its own split-K counters, so the last program of a tile
   adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
-  (and zero points) are made column-major once at load (same shape, same bytes), so a K step reads
-  the scales of a block of rows contiguously.
+  (and zero points) are made column-major once at load (same shape), so a K step reads the scales of
+  a block of rows contiguously, and the scales are kept in bf16 (or fp16) where that holds each one
+  exactly (compressed-tensors writes a bf16 model's scales in bf16): half the scale bytes, the same
+  products (the kernels widen them to float32).
 
 Both are registered ahead of the torch references (mllmd.models.quantization imports this module)
 and accept only CUDA devices with Triton, so CPU runs keep the references. `apply` launches kernels
 whose shapes depend only on x.shape: no host synchronisation, CUDA-graph capturable. The layer's
-parameters stay the checkpoint's quantized tensors, so weight_bytes counts what is read per step.
+parameters stay the checkpoint's quantized tensors (W4A16 scales narrowed back to the checkpoint's
+bf16 where exact), so weight_bytes counts what is read per step.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 from mllmd_kernels import (
     int8_gemm,
     int8_gemm_silu_mul_amax,
+    narrowest_exact_scale,
     prefers_dequant,
     splitk_counter_len,
     triton_available,
@@ -116,7 +120,8 @@ class TritonW4A16Kernel(QuantLinearKernel):
         return _triton_cuda(device)
 
     def process_weights(self, layer: Linear) -> None:
-        layer.weight_scale = _column_major(layer.weight_scale)
+        # float32 as loaded; a bf16 model's checkpoint holds bf16 scales, which are kept so (exact)
+        layer.weight_scale = _column_major(narrowest_exact_scale(layer.weight_scale.data))
         if getattr(layer, "weight_zero_point", None) is not None:
             layer.weight_zero_point = _column_major(layer.weight_zero_point)
         # This layer's split-K arrival counters (decode): its launches reduce their own partials.
