@@ -15,7 +15,10 @@ counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate 
 gemv with silu(gate) * up in its epilogue; `us_two_launches`: int8_gemm then silu_and_mul).
 `--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA tilings of
 int8_gemm_tma; at M = 1 each gemv tiling with and without dp4a, for the GEMM on int8 rows and
-for the one-row w8a8_gemv with the quantization fused in) and prints the best (to tune pick_int8_config / pick_w4a16_config). Under
+for the one-row w8a8_gemv with the quantization fused in) and prints the best (to tune pick_int8_config / pick_w4a16_config;
+every W4A16 candidate's output is checked against the reference). At M = 1 the w4a16 sweep also emits
+"w4a16_probe" lines (PROBE_TILINGS with load_only / tiled_w), and `--w4a16-tuned-out FILE` writes the
+best one-row tiling per shape in MLLMD_W4A16_TUNED's format. Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
 
