@@ -310,3 +310,55 @@ def test_narrow_scales_give_the_float32_bits_on_every_path() -> None:
         )
     with pytest.raises(AssertionError, match="torch.int32"):
         w4a16_gemm(randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g), packed, scale.to(torch.int32))
+
+
+# (N = 2 D, K, group or None, asymmetric, tiling or None for the default pick, split-K counters)
+SILU = [
+    (128, 256, 64, False, W4A16Config("gemv", 1, 16, 64, 1, 1, 2, 2), False),  # unsplit
+    (96, 512, 32, True, W4A16Config("gemv", 1, 32, 32, 1, 4, 2, 2), True),  # split, last program reduces
+    (84, 256, 128, False, W4A16Config("gemv", 1, 16, 128, 1, 2, 2, 1), True),  # D = 42: a masked pair
+    (64, 200, None, True, W4A16Config("gemv", 1, 16, 64, 1, 2, 4, 2), True),  # channel-wise, K off the block
+    (80, 512, 32, False, W4A16Config("gemv", 1, 16, 32, 1, 2, 2, 2, sub_steps=4), True),
+    (256, 1024, 128, False, None, True),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("n", "k", "group", "asym", "cfg", "counters"), SILU)
+def test_w4a16_gemm_silu_mul_equals_two_launches(
+    n: int, k: int, group: int | None, asym: bool, cfg: W4A16Config | None, counters: bool, bias: bool
+) -> None:
+    """One row: silu(gate) * up in the gemv's epilogue is silu_and_mul(w4a16_gemm(...)) bit for bit,
+    every output written, the counters back at 0."""
+    from mllmd_kernels import silu_and_mul, w4a16_gemm_silu_mul
+
+    g = torch.Generator().manual_seed(n + k + bias)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    b = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g) if bias else None
+    locks = torch.zeros(splitk_counter_len(n), dtype=torch.int32, device=DEVICE) if counters else None
+    for _ in range(2):
+        x = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+        out = poisoned((1, n // 2), torch.bfloat16, DEVICE)
+        w4a16_gemm_silu_mul(x, packed, scale, zp, b, out=out, config=cfg, splitk_counters=locks)
+        assert not out.isnan().any(), "some outputs were never written"
+        full = w4a16_gemm(x, packed, scale, zp, b, config=cfg)
+        assert torch.equal(out, silu_and_mul(full))
+        assert not torch.equal(out, silu_and_mul(torch.cat(full.chunk(2, dim=-1)[::-1], dim=-1)))  # gate first
+        assert locks is None or not locks.any(), "the counters were not reset"
+
+
+def test_w4a16_gemm_silu_mul_falls_back_to_two_launches() -> None:
+    """Several rows, a split without counters or a tensor-core tiling: w4a16_gemm then silu_and_mul."""
+    from mllmd_kernels import silu_and_mul, w4a16_gemm_silu_mul
+
+    n, k = 64, 256
+    g = torch.Generator().manual_seed(3)
+    packed, scale, zp = make_weights(n, k, 64, True, g)
+    cases = [(3, None), (1, W4A16Config("gemv", 1, 16, 64, 1, 2, 2, 2)), (1, W4A16Config("skinny", 16, 16, 64, 1, 1, 4, 2))]
+    for m, cfg in cases:
+        x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+        out = w4a16_gemm_silu_mul(x, packed, scale, zp, config=cfg)
+        assert out.shape == (m, n // 2)
+        assert torch.equal(out, silu_and_mul(w4a16_gemm(x, packed, scale, zp, config=cfg)))
+    with pytest.raises(AssertionError, match="even row count"):
+        w4a16_gemm_silu_mul(randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g), packed[:63], scale[:63])
