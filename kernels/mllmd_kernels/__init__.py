@@ -39,7 +39,6 @@ from mllmd_kernels.w4a16_gemm import (
     w4a16_dequantize,
     w4a16_gemm,
     w4a16_gemm_ref,
-    w4a16_gemm_silu_mul,
 )
 
 __all__ = [
@@ -94,7 +93,6 @@ __all__ = [
     "w4a16_dequantize",
     "w4a16_gemm",
     "w4a16_gemm_ref",
-    "w4a16_gemm_silu_mul",
     "w8a8_linear",
     "w8a8_linear_ref",
 ]

@@ -55,7 +55,6 @@ from dataclasses import dataclass
 import torch
 
 from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
-from mllmd_kernels.activation import _silu_mul, silu_and_mul
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
@@ -283,13 +282,11 @@ def _splitk_store(
     SPLIT_K,
     HAS_BIAS: tl.constexpr,
     SERIAL: tl.constexpr,
-    SILU_MUL: tl.constexpr = False,  # 1-D value of interleaved gate / up rows: y_ptrs is the [N / 2] output
 ):
     """Store this split's partial; with SERIAL, the tile's last program to arrive adds all SPLIT_K
-    partials in split order (deterministic, whichever program is last), writes the output (SILU_MUL:
-    `_store_silu_mul`'s) and resets the counter, so no reduce launch follows. The barrier and the
-    acq_rel atomic publish the program's partial before it counts; the winner reads the others' from
-    L2 (.cg)."""
+    partials in split order (deterministic, whichever program is last), writes the output and
+    resets the counter, so no reduce launch follows. The barrier and the acq_rel atomic publish the
+    program's partial before it counts; the winner reads the others' from L2 (.cg)."""
     pid_k = tl.program_id(1)
     tl.store(part_ptrs + pid_k * split_stride, value, mask=mask)
     if SERIAL:
@@ -301,34 +298,8 @@ def _splitk_store(
                 acc += tl.load(part_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
-            if SILU_MUL:
-                _store_silu_mul(acc, y_ptrs, split_stride // 2)  # one row: split_stride = N
-            else:
-                tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
+            tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock_ptr, 0)
-
-
-@triton.jit
-def _silu_mul_rows(offs_n, mask_n, rows_n, N, BLOCK_N: tl.constexpr):
-    """A gate/up tile's rows interleaved (SILU_MUL): row 2 i + h is gate (h = 0) or up (h = 1) row of
-    output pid * BLOCK_N / 2 + i of the N / 2; returns offs_n, mask_n, rows_n for those rows."""
-    i = tl.arange(0, BLOCK_N)
-    pair = tl.program_id(0) * (BLOCK_N // 2) + i // 2
-    mask_n = pair < N // 2
-    offs_n = pair + (i % 2) * (N // 2)
-    return offs_n, mask_n, tl.where(mask_n, offs_n, 0).to(tl.int64)
-
-
-@triton.jit
-def _store_silu_mul(out, y_ptr, D):
-    """out [BLOCK_N] float32 of interleaved gate / up rows (`_silu_mul_rows`) -> y[d] = silu(gate) * up
-    for this tile's BLOCK_N / 2 outputs d < D, each gemm output first rounded to y's dtype (what
-    w4a16_gemm stores and silu_and_mul reads: the two launches' bits)."""
-    BLOCK_N: tl.constexpr = out.shape[0]
-    gate, up = tl.split(tl.reshape(out.to(y_ptr.dtype.element_ty).to(tl.float32), (BLOCK_N // 2, 2)))
-    offs_d = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-    y = _silu_mul(gate, up, y_ptr.dtype.element_ty)
-    tl.store(y_ptr + offs_d, y.to(y_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 @triton.jit
@@ -425,16 +396,11 @@ def _w4a16_gemv_kernel(
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
-    SILU_MUL: tl.constexpr = False,  # w is a fused gate/up weight [2 D, KW]: y [D] = silu(gate) * up
 ):
     """M == 1: a [BLOCK_N, BLOCK_K / 8] tile of words is 8 nibble planes (plane i: k = 8j + i), each
-    multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1.
-    SILU_MUL: the tile's rows alternate gate row d and up row D + d, and the epilogue (of the unsplit
-    launch, or of the split's last program) stores silu(gate) * up (`_store_silu_mul`)."""
+    multiplied by x's matching strided slice in float32 FMAs; one K split per program along axis 1."""
     BW: tl.constexpr = BLOCK_K // 8
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
-    if SILU_MUL:
-        offs_n, mask_n, rows_n = _silu_mul_rows(offs_n, mask_n, rows_n, N, BLOCK_N)
     pdl_sync(USE_PDL)
     offs_w = tl.arange(0, BW)
     w_col = tl.multiple_of(k_start // 8, BW)  # lets aligned rows load BW words at a time
@@ -465,16 +431,12 @@ def _w4a16_gemv_kernel(
     if GROUP_STEPS == 0:
         out *= s_row
     if IS_SPLIT:
-        y_out = y_ptr if SILU_MUL else y_ptr + offs_n
-        _splitk_store(out, part_ptr + offs_n, N, mask_n, y_out, bias_ptr + offs_n,
-                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL, SILU_MUL)  # fmt: skip
+        _splitk_store(out, part_ptr + offs_n, N, mask_n, y_ptr + offs_n, bias_ptr + offs_n,
+                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
     else:
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if SILU_MUL:
-            _store_silu_mul(out, y_ptr, N // 2)
-        else:
-            tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -753,37 +715,6 @@ def w4a16_gemm(
     With `splitk_counters` a split-K launch reduces its own partials (the last program of each tile
     adds them) instead of launching `_splitk_reduce_kernel`. The counters return to 0 after every
     launch; two launches must not share them at the same time (one set per layer, one stream)."""
-    return _w4a16(x, w_packed, w_scale, w_zero_point, bias, out, config, splitk_counters, silu_mul=False)
-
-
-def w4a16_gemm_silu_mul(
-    x: torch.Tensor,  # [M, K]
-    w_packed: torch.Tensor,  # [2 D, ceil(K / 8)] int32: the gate rows, then the up rows
-    w_scale: torch.Tensor,
-    w_zero_point: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,  # [2 D]
-    out: torch.Tensor | None = None,  # [M, D] x.dtype
-    config: W4A16Config | None = None,
-    splitk_counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """silu(gate) * up of a fused gate/up projection: silu_and_mul(w4a16_gemm(...)) -> [M, D], bit for
-    bit. One row on the gemv tiling (unsplit, or split with counters) takes one launch, the activation
-    in the gemv's epilogue; otherwise the two launches."""
-    return _w4a16(x, w_packed, w_scale, w_zero_point, bias, out, config, splitk_counters, silu_mul=True)
-
-
-def _w4a16(
-    x: torch.Tensor,
-    w_packed: torch.Tensor,
-    w_scale: torch.Tensor,
-    w_zero_point: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    out: torch.Tensor | None,
-    config: W4A16Config | None,
-    splitk_counters: torch.Tensor | None,
-    silu_mul: bool,
-) -> torch.Tensor:
-    """w4a16_gemm, or (silu_mul) w4a16_gemm_silu_mul."""
     assert x.dim() == 2 and x.stride(1) == 1 and w_packed.stride(1) == 1, (
         "w4a16_gemm needs K-contiguous x and w_packed"
     )
@@ -801,19 +732,12 @@ def _w4a16(
     has_zp = w_zero_point is not None
     if has_zp:
         assert w_zero_point.shape == w_scale.shape and w_zero_point.dtype == torch.int8
-    n_out = n // 2 if silu_mul else n
-    assert not silu_mul or n % 2 == 0, f"a gate/up weight has an even row count, not {n}"
     if out is None:
-        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
-    assert out.shape == (m, n_out) and out.stride(1) == 1
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.stride(1) == 1
     if m == 0:
         return out
     cfg = config or pick_w4a16_config(m, n, k, group, sm_count_for(x), max_shared_memory(x))
-    if silu_mul and not (
-        cfg.mode == "gemv" and cfg.block_n % 2 == 0 and (cfg.split_k == 1 or splitk_counters is not None)
-    ):  # the two launches
-        y = _w4a16(x, w_packed, w_scale, w_zero_point, bias, None, cfg, splitk_counters, silu_mul=False)
-        return silu_and_mul(y, out=out)
     bk = group_block_k(cfg.block_k, group, k)
     sub = cfg.sub_steps if cfg.mode == "gemv" else 1
     even_k = k % (bk * sub) == 0
@@ -850,7 +774,7 @@ def _w4a16(
             GROUP_STEPS=0 if groups == 1 else group // bk,
             HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial, EVEN_K=even_k,
-            NUM_STAGES=cfg.num_stages, SILU_MUL=silu_mul,
+            NUM_STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             enable_fp_fusion=True,  # the kernel counts on FMAs (Triton 3.10 stops fusing by default)
             **pdl_args(x),

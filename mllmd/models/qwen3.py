@@ -97,9 +97,6 @@ class Qwen3MLP(nn.Module):
             # W8A8, one row: the gate/up gemv applies silu(gate) * up in its epilogue, and the down
             # gemv quantizes that row itself (no silu_and_mul launch between them).
             return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
-        if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1 and self.gate_up_proj.applies_silu_mul:
-            # W4A16, one row: silu(gate) * up in the gate/up gemv's epilogue (no silu_and_mul launch).
-            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
         h = self.gate_up_proj(x)
         # W8A8 on the GPU: activate and quantize in one launch. Not for one row: silu_and_mul_int8's
         # single program is latency-bound there, and the one-row gemv quantizes its input itself

@@ -433,36 +433,3 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     assert fused_out.top_logprobs == plain_out.top_logprobs, "the fused decode route changed the logits"
     if graph_tokens is not None:
         assert graph_tokens == fused_out.token_ids, "the fused route in CUDA graphs decoded other tokens"
-
-
-@needs_kernels
-@pytest.mark.parametrize("variant", ["g32_asym", "g128"])
-def test_w4a16_mlp_one_row_activates_in_the_gate_up_gemv(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One row (batch-1 decode): the W4A16 gate/up gemv applies silu(gate) * up in its epilogue, and the
-    MLP's output equals, bit for bit, the route that stores the gate/up row and activates it in its
-    own launch (silu_and_mul); several rows keep that route."""
-    import mllmd.models.quantization.triton_kernels as tk_mod
-    from mllmd.models.qwen3 import Qwen3MLP
-
-    pytest.importorskip("compressed_tensors")
-    scheme, hidden, inter, dtype = W4A16_SCHEMES[variant], 128, 256, torch.bfloat16
-    calls: list[int] = []
-    real = tk_mod.w4a16_gemm_silu_mul
-    monkeypatch.setattr(tk_mod, "w4a16_gemm_silu_mul", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
-    mlp = torch.nn.Module.__new__(Qwen3MLP)
-    torch.nn.Module.__init__(mlp)
-    mlp.gate_up_proj = _prepare(_random_layer(scheme, hidden, {"gate": inter, "up": inter}, False, dtype, 7),
-                                TritonW4A16Kernel)  # fmt: skip
-    mlp.down_proj = _prepare(_random_layer(scheme, inter, {"down": hidden}, False, dtype, 8), TritonW4A16Kernel)
-    mlp.act = SiluAndMul()
-    assert mlp.gate_up_proj.applies_silu_mul
-    g = torch.Generator().manual_seed(9)
-    for t in (1, 3):
-        x = torch.randn(t, hidden, generator=g).to(dtype=dtype, device=DEVICE)
-        with torch.no_grad():
-            fused = mlp(x)
-            h = mlp.gate_up_proj(x)
-            plain = mlp.down_proj(silu_and_mul(h) if t == 1 else mlp.act(h))
-        assert fused.shape == (t, hidden) and fused.dtype == dtype
-        assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
-    assert calls == [1], calls

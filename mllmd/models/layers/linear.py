@@ -87,12 +87,6 @@ class Linear(nn.Module):
         the op before wrote (`RowsWithAmax`), so that op may write them."""
         return self.quant_method is not None and self.quant_method.takes_amax
 
-    @property
-    def applies_silu_mul(self) -> bool:
-        """The layer's kernel applies silu(gate) * up in its own launch (W4A16 on the GPU), so a fused
-        gate/up layer's forward_silu_mul takes float rows."""
-        return self.quant_method is not None and self.quant_method.applies_silu_mul
-
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         """(first output row, row count) of a checkpoint shard; the whole layer for None."""
         if shard is not None:
@@ -155,17 +149,15 @@ class MergedLinear(Linear):
             raise ValueError(f"unknown shard {shard!r} (expected one of {', '.join(self.shard_offsets)})")
         return self.shard_offsets[shard]
 
-    def forward_silu_mul(self, x: Int8Rows | torch.Tensor) -> torch.Tensor | RowsWithAmax:
-        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], in the kernel's
-        own launch: from int8 rows (when takes_int8_input; with the max|out| partials where that
-        epilogue writes them) or float rows [T, K] (when applies_silu_mul)."""
+    def forward_silu_mul(self, x: Int8Rows) -> torch.Tensor | RowsWithAmax:
+        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], from int8 rows,
+        in the kernel's own epilogue where it has one (only when takes_int8_input); with the max|out|
+        partials where that epilogue writes them."""
         sizes = [size for _, size in self.shard_offsets.values()]
         if len(sizes) != 2 or sizes[0] != sizes[1]:
             raise RuntimeError(f"silu_and_mul needs two equal shards, not {sizes}")
         if self.quant_method is None:
-            raise RuntimeError("forward_silu_mul needs a quantized layer whose kernel applies the activation")
-        if not isinstance(x, Int8Rows):
-            return self.quant_method.apply_silu_mul(self, x, self.bias)
+            raise RuntimeError("int8 rows given to an unquantized layer")
         out, amax_parts = self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
         return out if amax_parts is None else RowsWithAmax(out, amax_parts)
 

@@ -56,8 +56,6 @@ class QuantLinearKernel(ABC):
     takes_int8_input: bool = False
     # Kernels that set this take max|x| partials the op before wrote (apply_with_amax).
     takes_amax: bool = False
-    # Kernels that set this apply silu(gate) * up in a fused gate/up layer's own launch (apply_silu_mul).
-    applies_silu_mul: bool = False
 
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
@@ -71,10 +69,6 @@ class QuantLinearKernel(ABC):
         """As apply_int8 for a fused gate/up layer, then silu(gate) * up -> [T, N / 2] out_dtype; and,
         where the kernel has them, float32 partials whose max is max|output| (else None)."""
         raise NotImplementedError(f"{type(self).__name__} takes no int8 activations")
-
-    def apply_silu_mul(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """silu(gate) * up of a fused gate/up layer: x [T, K] -> [T, N / 2], equal to silu_and_mul(apply())."""
-        raise NotImplementedError(f"{type(self).__name__} does not apply silu(gate) * up itself")
 
     def apply_with_amax(
         self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None

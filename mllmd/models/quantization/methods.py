@@ -62,13 +62,6 @@ class QuantMethod(ABC):
     def takes_amax(self) -> bool:
         return self.kernel is not None and self.kernel.takes_amax
 
-    @property
-    def applies_silu_mul(self) -> bool:
-        return self.kernel is not None and self.kernel.applies_silu_mul
-
-    def apply_silu_mul(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self._loaded_kernel().apply_silu_mul(layer, x, bias)
-
     def apply_int8(
         self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
     ) -> torch.Tensor:

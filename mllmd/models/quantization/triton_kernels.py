@@ -37,12 +37,10 @@ from mllmd_kernels import (
     int8_gemm_silu_mul_amax,
     narrowest_exact_scale,
     prefers_dequant,
-    silu_and_mul,
     splitk_counter_len,
     triton_available,
     w4a16_dequantize,
     w4a16_gemm,
-    w4a16_gemm_silu_mul,
     w8a8_linear,
 )
 from torch import nn
@@ -111,12 +109,7 @@ class TritonW8A8Kernel(QuantLinearKernel):
 
 
 class TritonW4A16Kernel(QuantLinearKernel):
-    """W4A16 on CUDA: in-kernel int4 unpacking and group dequantization (decode and prefill tilings);
-    for one row of a gate/up layer, silu(gate) * up in the gemv's epilogue."""
-
-    import os as _os  # TEMPORARY A/B switch (device run only; removed before landing)
-
-    applies_silu_mul = _os.environ.get("MLLMD_W4A16_SILU_MUL", "1") == "1"
+    """W4A16 on CUDA: in-kernel int4 unpacking and group dequantization (decode and prefill tilings)."""
 
     @classmethod
     def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
@@ -148,16 +141,6 @@ class TritonW4A16Kernel(QuantLinearKernel):
             x2, layer.weight_packed, layer.weight_scale, zero_point, bias, splitk_counters=layer.splitk_counters
         )
         return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
-
-    def apply_silu_mul(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        x2 = _rows(x)
-        zero_point = getattr(layer, "weight_zero_point", None)
-        if x2.shape[0] != 1:  # the activation has its own launch (the prefill path may dequantize)
-            return silu_and_mul(self.apply(layer, x, bias))
-        out = w4a16_gemm_silu_mul(
-            x2, layer.weight_packed, layer.weight_scale, zero_point, bias, splitk_counters=layer.splitk_counters
-        )
-        return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0] // 2)
 
 
 register_kernel(TritonW8A8Kernel)
