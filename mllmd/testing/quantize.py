@@ -22,11 +22,13 @@ _SKIPPED_FILES = ("config.json", "generation_config.json", "model.safetensors.in
 
 def quantize_checkpoint(
     base: Path, out: Path, preset: str, weight_overrides: dict[str, Any] | None = None,
-    ignore: tuple[str, ...] = ("lm_head",), device: str = "cpu",
+    ignore: tuple[str, ...] = ("lm_head",), device: str = "cpu", scale_dtype: str = "model",
 ) -> Path:
     """Quantize the float checkpoint `base` with compressed-tensors and save it compressed in `out`.
 
-    The scales are computed in float32 from the stored weights, on `device`."""
+    The scales are computed in float32 from the stored weights, on `device`, then stored (and used to
+    quantize) in `scale_dtype`: "model" (default) is the base checkpoint's own dtype, as
+    compressed-tensors (llmcompressor) keeps a bf16 model's scales in bf16; "float32" keeps them."""
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
@@ -39,6 +41,12 @@ def quantize_checkpoint(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
+    if scale_dtype == "model":
+        stored = _stored_dtype(base)
+    else:
+        stored = getattr(torch, scale_dtype, None)
+        if not isinstance(stored, torch.dtype) or not stored.is_floating_point:
+            raise ValueError(f"scale_dtype must be 'model' or a float dtype name, not {scale_dtype!r}")
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if weight_overrides:
         scheme.weights = scheme.weights.model_copy(update=weight_overrides)
@@ -51,7 +59,7 @@ def quantize_checkpoint(
             w = module.weight
             observed = w.unflatten(-1, (-1, args.group_size)) if args.strategy == "group" else w.unsqueeze(-2)
             scale, zero_point = calculate_qparams(observed.amin(-1), observed.amax(-1), args)  # [N, G]
-            module.weight_scale.copy_(scale)
+            module.weight_scale.data = scale.to(stored)
             if hasattr(module, "weight_zero_point"):
                 module.weight_zero_point.copy_(zero_point)
             module.quantization_status = QuantizationStatus.FROZEN
@@ -61,6 +69,17 @@ def quantize_checkpoint(
     compressor.update_config(str(out))
     copy_tokenizer_files(base, out)
     return out
+
+
+def _stored_dtype(base: Path) -> Any:
+    """The float dtype of the base checkpoint's weights, from its config (float32 if it names none)."""
+    import torch
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(base)
+    name = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32"
+    dtype = name if isinstance(name, torch.dtype) else getattr(torch, str(name).replace("torch.", ""))
+    return dtype if dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
 
 def copy_tokenizer_files(base: Path, out: Path) -> None:
@@ -76,9 +95,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scheme", required=True, help="compressed-tensors preset, e.g. W8A8, W4A16, W4A16_ASYM")
     ap.add_argument("--group-size", type=int, default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--scale-dtype", default="model",
+                    help="dtype of the stored scales: 'model' (the base checkpoint's, as llmcompressor does) or e.g. float32")
     args = ap.parse_args(argv)
     overrides = {"group_size": args.group_size} if args.group_size else None
-    print(quantize_checkpoint(Path(args.base), Path(args.out), args.scheme, overrides, device=args.device))
+    print(quantize_checkpoint(Path(args.base), Path(args.out), args.scheme, overrides, device=args.device,
+                              scale_dtype=args.scale_dtype))
 
 
 if __name__ == "__main__":

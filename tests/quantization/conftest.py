@@ -25,7 +25,10 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "w4a16_g64": ("tied", "W4A16", {"group_size": 64}),
     "w4a16_g32_asym": ("tied", "W4A16_ASYM", {"group_size": 32}),
     "w4a16_channel_asym": ("tied", "W4A16_ASYM", {"strategy": "channel", "group_size": None}),
+    "w4a16_g128_bf16_scales": ("untied", "W4A16", {}),
 }
+# Scales stored in another dtype than the base's (float32 here): what llmcompressor writes for a bf16 model.
+SCALE_DTYPES: dict[str, str] = {"w4a16_g128_bf16_scales": "bfloat16"}
 W4A16_VARIANTS = [v for v in VARIANTS if v.startswith("w4a16")]
 
 
@@ -52,7 +55,8 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, tiny_bases: dict[str, Pa
     def get(name: str) -> Path:
         if name not in cache:
             base, preset, overrides = VARIANTS[name]
-            cache[name] = quantize_checkpoint(tiny_bases[base], tmp_path_factory.mktemp(f"q_{name}"), preset, overrides)
+            cache[name] = quantize_checkpoint(tiny_bases[base], tmp_path_factory.mktemp(f"q_{name}"), preset, overrides,
+                                              scale_dtype=SCALE_DTYPES.get(name, "model"))  # fmt: skip
         return cache[name]
 
     return get

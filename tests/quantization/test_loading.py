@@ -157,3 +157,16 @@ def test_bfloat16_compute_runs_close_to_float32(quantized: Any, variant: str) ->
     f32, bf16 = logits
     assert bf16.isfinite().all()
     assert float((bf16 - f32).norm() / f32.norm()) < 0.1
+
+
+def test_bf16_scales_load_as_stored(quantized: Any) -> None:
+    """A W4A16 checkpoint whose scales are bf16 (as llmcompressor writes a bf16 model's) loads with
+    every scale's value as stored; the checkpoint really holds bf16 scales."""
+    from safetensors import safe_open
+
+    model_dir = quantized("w4a16_g128_bf16_scales")
+    with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
+        stored = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale")
+    assert stored.dtype == torch.bfloat16
+    model = LLM(str(model_dir), dtype="float32", device="cpu").engine.runner.model
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight_scale.float(), stored.float())
