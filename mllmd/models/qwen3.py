@@ -174,17 +174,21 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype, quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        if get_linear_scheme(quant_config, "lm_head") is not None:
-            raise UnsupportedQuantization("a quantized lm_head is not supported (keep it in the config's ignore list)")
-        self.model = Qwen3Model(config, dtype, quant_config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        lm_head_scheme = get_linear_scheme(quant_config, "lm_head")  # None: kept in the config's ignore list
+        if lm_head_scheme is not None and self.tie_word_embeddings:
+            raise UnsupportedQuantization(
+                "a quantized lm_head tied to the embeddings is not supported (keep lm_head in the config's ignore list)"
+            )
+        self.model = Qwen3Model(config, dtype, quant_config)
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, dtype=dtype, quant=lm_head_scheme)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """The float [V, H] output embedding (tied, or an unquantized lm_head)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -193,6 +197,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, V] for the given rows only (the positions that sample)."""
+        if self.lm_head is not None and self.lm_head.quant_method is not None:  # a quantized lm_head
+            return self.lm_head(hidden).float()
         if use_gemv(hidden):
             return gemv(hidden, self.lm_head_weight).float()
         return torch.matmul(hidden, self.lm_head_weight.t()).float()

@@ -29,6 +29,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 # Scales stored in another dtype than the base's (float32 here): what llmcompressor writes for a bf16 model.
 SCALE_DTYPES: dict[str, str] = {"w4a16_g128_bf16_scales": "bfloat16"}
+# Variants whose lm_head is quantized too (made without ignore=["lm_head"]); not in VARIANTS.
+LM_HEAD_VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "w4a16_g128_lm_head": ("untied", "W4A16", {}),
+    "w8a8_lm_head": ("untied", "W8A8", {}),
+}
 W4A16_VARIANTS = [v for v in VARIANTS if v.startswith("w4a16")]
 
 
@@ -54,9 +59,10 @@ def quantized(tmp_path_factory: pytest.TempPathFactory, tiny_bases: dict[str, Pa
 
     def get(name: str) -> Path:
         if name not in cache:
-            base, preset, overrides = VARIANTS[name]
+            base, preset, overrides = VARIANTS[name] if name in VARIANTS else LM_HEAD_VARIANTS[name]
             cache[name] = quantize_checkpoint(tiny_bases[base], tmp_path_factory.mktemp(f"q_{name}"), preset, overrides,
-                                              scale_dtype=SCALE_DTYPES.get(name, "model"))  # fmt: skip
+                                              scale_dtype=SCALE_DTYPES.get(name, "model"),
+                                              ignore=() if name in LM_HEAD_VARIANTS else ("lm_head",))  # fmt: skip
         return cache[name]
 
     return get

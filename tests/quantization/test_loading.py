@@ -89,9 +89,26 @@ def test_fp8_checkpoint_is_refused_by_name(tmp_path: Path, tiny_bases: dict[str,
         LLM(str(fp8), dtype="float32")
 
 
-def test_quantized_lm_head_is_refused(quantized: Any, tmp_path: Path) -> None:
+def test_quantized_lm_head_loads_quantized(quantized: Any) -> None:
+    """A checkpoint made without ignore=["lm_head"]: the lm_head is a quantized layer of that scheme
+    (int4 words + scales), not a float weight."""
+    model = LLM(str(quantized("w4a16_g128_lm_head")), dtype="float32").engine.runner.model
+    assert model.lm_head is not None and model.lm_head.quant_method is not None
+    assert model.lm_head.weight_packed.dtype == torch.int32 and "weight" not in dict(model.lm_head.named_parameters())
+
+
+def test_quantized_tied_lm_head_is_refused(quantized: Any, tmp_path: Path) -> None:
+    """A quantized lm_head tied to the embeddings (one tensor, two layouts) is refused by name."""
+
+    def tie(cfg: dict) -> None:
+        cfg["tie_word_embeddings"] = True
+        cfg["quantization_config"]["ignore"] = []
+
     folder = variant_copy(quantized("w8a8"), tmp_path / "lm_head", lambda qc: qc.update(ignore=[]))
-    with pytest.raises(UnsupportedQuantization, match="lm_head"):
+    raw = json.loads((folder / "config.json").read_text())
+    tie(raw)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(UnsupportedQuantization, match="lm_head tied to the embeddings"):
         LLM(str(folder), dtype="float32")
 
 

@@ -240,3 +240,23 @@ def test_w4a16_dequantized_weights_are_bit_identical(quantized: Any, variant: st
         assert torch.equal(layer.self_attn.o_proj.weight_dequant, r.self_attn.o_proj.weight)
         assert torch.equal(layer.mlp.gate_up_proj.weight_dequant, torch.cat([r.mlp.gate_proj.weight, r.mlp.up_proj.weight]))
         assert torch.equal(layer.mlp.down_proj.weight_dequant, r.mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("variant", ["w4a16_g128_lm_head", "w8a8_lm_head"])
+def test_quantized_lm_head_logits_and_greedy_match_the_reference(quantized: Any, variant: str) -> None:
+    """lm_head quantized too (no ignore list): the reference (compressed-tensors' decompression)
+    has a quantized lm_head as well, and our prefill logits and greedy tokens follow it."""
+    model_dir = quantized(variant)
+    ref = reference(model_dir)
+    assert "lm_head" in quantized_linears(ref)
+    prompts = tokenize(model_dir)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", chunked_prefill_size=0, disable_radix_cache=True)
+    w8a8 = variant.startswith("w8a8")
+    for ids, got in zip(prompts, engine_prefill_logits(llm, prompts)):
+        want = ref_logits(ref, ids)
+        spread = max(_rel(ref_logits(ref, ids, seed), want) for seed in range(NOISE_SEEDS if w8a8 else 2))
+        assert _rel(got, want) < (max(REL_TOL, 2 * spread) if w8a8 else REL_TOL), (variant, _rel(got, want), spread)
+    outs = llm.generate(prompts[:3], SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0))
+    seeds = [None] + (list(range(GREEDY_NOISE_SEEDS)) if w8a8 else [])
+    for i, (ids, out) in enumerate(zip(prompts, outs)):
+        assert any(out.token_ids == ref_greedy(ref, ids, seed) for seed in seeds), f"{variant}: prompt {i} diverged"
