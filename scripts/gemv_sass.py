@@ -71,20 +71,22 @@ def w4a16_gemv(n: int, k: int, group: int, arch: int) -> dict[str, Any]:
 
     cfg = pick_w4a16_config(1, n, k, group, H200_SMS, SMEM)
     bk = group_block_k(cfg.block_k, group, k)
-    split = cdiv(k, cdiv(cdiv(k, cfg.split_k), bk) * bk)
+    step = bk * cfg.sub_steps  # K columns per loop trip, as w4a16_gemm splits K
+    split = cdiv(k, cdiv(cdiv(k, cfg.split_k), step) * step)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "bias_ptr": "*fp32",
            "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "N": "i32", "K": "i32", "KW": "i32",
            "SPLIT_K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_sg": "i32", "stride_zn": "i32",
            "stride_zg": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
     pdl = arch >= 90
-    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=cfg.sub_steps, TILED_W=False, LOAD_ONLY=False, GROUP_STEPS=0 if group >= k else group // bk, HAS_ZP=False,
-                  HAS_BIAS=False, IS_SPLIT=split > 1, SERIAL=split > 1, EVEN_K=k % bk == 0,
+    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=bk, SUB_STEPS=cfg.sub_steps, TILED_W=False, LOAD_ONLY=False,
+                  GROUP_STEPS=0 if group >= k else group // bk, HAS_ZP=False,
+                  HAS_BIAS=False, IS_SPLIT=split > 1, SERIAL=split > 1, EVEN_K=k % step == 0,
                   NUM_STAGES=cfg.num_stages, USE_PDL=pdl)  # fmt: skip
     opts: dict[str, Any] = {"num_stages": cfg.num_stages, "enable_fp_fusion": True}
     if pdl:
         opts["launch_pdl"] = True
     asm = compile_asm(_w4a16_gemv_kernel, sig, consts, arch, cfg.num_warps, **opts)
-    per_thread = cfg.block_n * bk // (32 * cfg.num_warps)
+    per_thread = cfg.block_n * step // (32 * cfg.num_warps)
     tiling = f"{cfg.block_n}x{bk} {cfg.num_warps} warps {cfg.num_stages} stages, split {split}"
     return {"kernel": "w4a16_gemv", "tiling": tiling, **loop_report(main_loop(disassemble(asm["cubin"])), per_thread)}
 

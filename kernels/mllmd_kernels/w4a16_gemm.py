@@ -171,6 +171,8 @@ def tuned_gemv_configs() -> dict[tuple[int, int], W4A16Config]:
         cfg = W4A16Config(**fields)
         if cfg.mode != "gemv" or cfg.block_m != 1:
             raise ValueError(f"{path}: {key}: not a one-row gemv tiling: {fields}")
+        if cfg.tiled_w or cfg.load_only:  # bench probes: another weight layout, or wrong sums
+            raise ValueError(f"{path}: {key}: tiled_w / load_only are bench probes, not tilings: {fields}")
         n, k = (int(v) for v in key.split(","))
         out[(n, k)] = cfg
     return out

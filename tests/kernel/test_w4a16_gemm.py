@@ -260,6 +260,10 @@ def test_tuned_gemv_tilings_file(tmp_path, monkeypatch) -> None:
         tuned_gemv_configs.cache_clear()
         with pytest.raises(ValueError, match="not a one-row gemv tiling"):
             tuned_gemv_configs()
+        path.write_text(json.dumps({"40,512": W4A16Config("gemv", 1, 16, 32, 1, 1, 2, 2, load_only=True).__dict__}))
+        tuned_gemv_configs.cache_clear()
+        with pytest.raises(ValueError, match="bench probes"):
+            tuned_gemv_configs()
     finally:
         monkeypatch.delenv("MLLMD_W4A16_TUNED")
         for f in (tuned_gemv_configs, pick_w4a16_config):
