@@ -314,3 +314,106 @@ def test_narrow_scales_give_the_float32_bits_on_every_path() -> None:
         )
     with pytest.raises(AssertionError, match="torch.int32"):
         w4a16_gemm(randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g), packed, scale.to(torch.int32))
+
+
+# The tensor-core one-row kernel ("gemv_tc"): (N, K, group or None for channel-wise, tiling or None for
+# the default pick); symmetric weights only (zero points take the FMA kernel)
+GEMV_TC = [
+    (40, 256, 128, W4A16Config("gemv_tc", 1, 16, 128, 1, 1, 2, 1)),
+    (50, 512, 32, W4A16Config("gemv_tc", 1, 32, 32, 1, 3, 2, 2)),  # split, partial last tile of rows
+    (24, 512, None, W4A16Config("gemv_tc", 1, 16, 256, 1, 2, 2, 1)),  # channel-wise, split
+    (72, 384, 64, W4A16Config("gemv_tc", 1, 64, 64, 1, 2, 4, 2)),  # 4 warps
+    (40, 256, 128, None),
+]
+if on_gpu():
+    GEMV_TC += [
+        (6144, 4096, 128, None),
+        (4096, 12288, 128, None),
+        (4096, 4096, 32, None),
+        (24576, 4096, 128, W4A16Config("gemv_tc", 1, 128, 128, 1, 2, 4, 1)),  # wgmma on sm90
+        (4096, 12288, 128, W4A16Config("gemv_tc", 1, 128, 128, 1, 4, 4, 3)),
+        (6144, 4096, None, W4A16Config("gemv_tc", 1, 64, 256, 1, 4, 2, 3)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize(("n", "k", "group", "cfg"), GEMV_TC)
+def test_w4a16_gemv_tensor_cores(
+    n: int, k: int, group: int | None, cfg: W4A16Config | None, bias: bool, dtype: torch.dtype, monkeypatch
+) -> None:
+    """One row on tensor cores (the nibbles dequantized in pairs, x read in the matching order) against
+    the float32 reference, every output written; the default pick is this kernel where it is on."""
+    from mllmd_kernels.w4a16_gemm import pick_w4a16_config, tc_gemv_default
+
+    monkeypatch.setenv("MLLMD_W4A16_TC_GEMV", "1")
+    for f in (tc_gemv_default, pick_w4a16_config):
+        f.cache_clear()
+    try:
+        g = torch.Generator().manual_seed(n * 17 + k + bias)
+        packed, scale, _ = make_weights(n, k, group, False, g)
+        x = randn(1, k, dtype=dtype, device=DEVICE, gen=g)
+        b = randn(n, dtype=dtype, device=DEVICE, gen=g) if bias else None
+        out = poisoned((1, n), dtype, DEVICE)
+        w4a16_gemm(x, packed, scale, None, b, out=out, config=cfg)
+        assert not out.isnan().any(), "some outputs were never written"
+        ref = w4a16_gemm_ref(x.float(), packed, scale, None, b.float() if bias else None)
+        assert rel_err(out, ref) < REL_TOL[dtype]
+        if cfg is None:
+            assert pick_w4a16_config(1, n, k, group or k, 16, 100_000, True).mode == "gemv_tc"
+    finally:
+        for f in (tc_gemv_default, pick_w4a16_config):
+            f.cache_clear()
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_w4a16_gemv_tensor_cores_serial_splitk(bias: bool) -> None:
+    """The tensor-core kernel's split-K partials added by the tile's last program: the bits of the
+    reduce launch, the counters back at 0 for the next call."""
+    n, k = 70, 256
+    cfg = W4A16Config("gemv_tc", 1, 16, 32, 1, 3, 2, 2)
+    g = torch.Generator().manual_seed(7 + bias)
+    packed, scale, _ = make_weights(n, k, 32, False, g)
+    counters = torch.zeros(splitk_counter_len(n), dtype=torch.int32, device=DEVICE)
+    b = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g) if bias else None
+    for _ in range(2):
+        x = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+        out = poisoned((1, n), torch.bfloat16, DEVICE)
+        w4a16_gemm(x, packed, scale, None, b, out=out, config=cfg, splitk_counters=counters)
+        assert not out.isnan().any(), "some outputs were never written"
+        assert torch.equal(out, w4a16_gemm(x, packed, scale, None, b, config=cfg))
+        assert not counters.any(), "the counters were not reset"
+        ref = w4a16_gemm_ref(x.float(), packed, scale, None, b.float() if bias else None)
+        assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+
+
+def test_w4a16_gemv_tensor_cores_refuses_what_it_cannot_run(monkeypatch) -> None:
+    """An explicit gemv_tc tiling with zero points, float32 activations or K off the K step is refused
+    by name; the default pick sends those calls to the FMA kernel, which gets them right."""
+    from mllmd_kernels.w4a16_gemm import pick_w4a16_config, tc_gemv_default
+
+    cfg = W4A16Config("gemv_tc", 1, 16, 64, 1, 1, 2, 1)
+    g = torch.Generator().manual_seed(3)
+    packed, scale, zp = make_weights(24, 256, 64, True, g)
+    x = randn(1, 256, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    with pytest.raises(ValueError, match="zero points True"):
+        w4a16_gemm(x, packed, scale, zp, config=cfg)
+    with pytest.raises(ValueError, match="float32"):
+        w4a16_gemm(x.float(), packed, scale, config=cfg)
+    odd_packed, odd_scale, _ = make_weights(24, 200, None, False, g)
+    with pytest.raises(ValueError, match="K=200"):
+        w4a16_gemm(randn(1, 200, dtype=torch.bfloat16, device=DEVICE, gen=g), odd_packed, odd_scale, config=cfg)
+    monkeypatch.setenv("MLLMD_W4A16_TC_GEMV", "1")
+    for f in (tc_gemv_default, pick_w4a16_config):
+        f.cache_clear()
+    try:
+        out = w4a16_gemm(x, packed, scale, zp)
+        assert rel_err(out, w4a16_gemm_ref(x.float(), packed, scale, zp)) < REL_TOL[torch.bfloat16]
+        assert pick_w4a16_config(1, 24, 256, 64, 16, 100_000, False).mode == "gemv"
+        monkeypatch.setenv("MLLMD_W4A16_TC_GEMV", "0")
+        for f in (tc_gemv_default, pick_w4a16_config):
+            f.cache_clear()
+        assert pick_w4a16_config(1, 24, 256, 64, 16, 100_000, True).mode == "gemv"
+    finally:
+        for f in (tc_gemv_default, pick_w4a16_config):
+            f.cache_clear()
