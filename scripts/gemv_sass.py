@@ -1,4 +1,4 @@
-"""Instructions per weight in the K loop of the one-row W4A16 (FMA and tensor-core) and int8 gemvs, from an offline compile.
+"""Instructions per weight in the K loop of the one-row W4A16 and int8 gemvs, from an offline compile.
 
     python scripts/gemv_sass.py [--arch 90] [--shapes 6144x4096 4096x4096 24576x4096 4096x12288] [--group 128]
 
@@ -91,29 +91,6 @@ def w4a16_gemv(n: int, k: int, group: int, arch: int) -> dict[str, Any]:
     return {"kernel": "w4a16_gemv", "tiling": tiling, **loop_report(main_loop(disassemble(asm["cubin"])), per_thread)}
 
 
-def w4a16_gemv_tc(n: int, k: int, group: int, arch: int) -> dict[str, Any]:
-    from mllmd_kernels.testing import compile_asm
-    from mllmd_kernels.w4a16_gemm import _w4a16_gemv_tc_kernel, cdiv, group_block_k, tc_gemv_config
-
-    cfg = tc_gemv_config(n, k, group, H200_SMS)
-    bk = group_block_k(cfg.block_k, group, k)
-    split = cdiv(k, cdiv(cdiv(k, cfg.split_k), bk) * bk)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "bias_ptr": "*fp32", "y_ptr": "*bf16",
-           "part_ptr": "*fp32", "lock_ptr": "*i32", "N": "i32", "K": "i32", "SPLIT_K": "i32", "stride_wn": "i32",
-           "stride_sn": "i32", "stride_sg": "i32", "K_PER_SPLIT": "i32"}  # fmt: skip
-    pdl = arch >= 90
-    consts = dict(BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_STEPS=0 if group >= k else group // bk, HAS_BIAS=False,
-                  IS_SPLIT=split > 1, SERIAL=split > 1, FP16=False, USE_ASM=True, DOT_F32=False,
-                  NUM_STAGES=cfg.num_stages, USE_PDL=pdl)  # fmt: skip
-    opts: dict[str, Any] = {"num_stages": cfg.num_stages}
-    if pdl:
-        opts["launch_pdl"] = True
-    asm = compile_asm(_w4a16_gemv_tc_kernel, sig, consts, arch, cfg.num_warps, **opts)
-    per_thread = cfg.block_n * bk // (32 * cfg.num_warps)
-    tiling = f"{cfg.block_n}x{bk} {cfg.num_warps} warps {cfg.num_stages} stages, split {split} (bf16 scales)"
-    return {"kernel": "w4a16_gemv_tc", "tiling": tiling, **loop_report(main_loop(disassemble(asm["cubin"])), per_thread)}
-
-
 def int8_gemv(arch: int) -> dict[str, Any]:
     from mllmd_kernels.testing import int8_gemv_asm
 
@@ -135,8 +112,6 @@ def main() -> None:
         n, k = (int(v) for v in shape.split("x"))
         print(json.dumps({"arch": args.arch, "shape": shape, "group": args.group,
                           **w4a16_gemv(n, k, min(args.group, k), args.arch)}))  # fmt: skip
-        print(json.dumps({"arch": args.arch, "shape": shape, "group": args.group,
-                          **w4a16_gemv_tc(n, k, min(args.group, k), args.arch)}))  # fmt: skip
     print(json.dumps({"arch": args.arch, **int8_gemv(args.arch)}))
 
 

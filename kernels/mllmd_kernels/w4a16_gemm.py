@@ -54,18 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd_kernels._triton import (
-    HAS_TRITON,
-    cdiv,
-    dot_in_fp32,
-    interpreting,
-    next_pow2,
-    pdl_args,
-    pdl_sync,
-    sm_count_for,
-    tl,
-    triton,
-)
+from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
@@ -142,7 +131,7 @@ def prefers_dequant(x: torch.Tensor, n: int, group: int) -> bool:
 
 @dataclass(frozen=True)
 class W4A16Config:
-    mode: str  # "gemv" (M == 1, float32 FMAs) | "gemv_tc" (M == 1, tensor cores) | "skinny" | "gemm"
+    mode: str  # "gemv" (M == 1, no tensor cores) | "skinny" (W @ x^T, split-K) | "gemm" (swizzled tiles)
     block_m: int
     block_n: int
     block_k: int  # reduced at launch to a power of two that divides the group size
@@ -168,36 +157,6 @@ def group_block_k(block_k: int, group: int, k: int) -> int:
     return bk
 
 
-def tc_gemv_applies(dtype: torch.dtype, has_zp: bool, k: int, group: int) -> bool:
-    """The tensor-core one-row kernel ("gemv_tc") can run: fp16 / bf16 activations, symmetric weights,
-    and K whole K steps (the FMA "gemv" takes the rest)."""
-    return dtype in (torch.bfloat16, torch.float16) and not has_zp and k % group_block_k(128, group, k) == 0
-
-
-@functools.lru_cache(maxsize=1)
-def tc_gemv_default() -> bool:
-    """Whether a one-row call picks "gemv_tc" over "gemv" where both can run: with Triton 3.4 and
-    newer (whose layouts put the dequantized pairs straight into the MMA operand: about 3 instructions
-    a weight on sm90 against the FMA kernel's 4.2; Triton 3.0, Orin's, spills them through shared
-    memory, 6.3). MLLMD_W4A16_TC_GEMV=0 / 1 overrides (read once per process)."""
-    env = os.environ.get("MLLMD_W4A16_TC_GEMV")
-    if env is not None:
-        return env == "1"
-    if not HAS_TRITON:
-        return False
-    major, minor = (int(v) for v in triton.__version__.split(".")[:2])
-    return (major, minor) >= (3, 4)
-
-
-def tc_gemv_config(n: int, k: int, group: int, num_sms: int) -> W4A16Config:
-    """The default "gemv_tc" tiling: 64 rows x one group (<= 128 columns) per K step at 2 warps
-    (mma.sync m16n8k16), words prefetched 3 steps deep, K split until there are about 6 programs per SM."""
-    bk = group_block_k(256 if group >= k else 128, group, k)
-    bn = max(16, min(64, next_pow2(n)))
-    split = auto_split(cdiv(n, bn), k, bk, num_sms, ctas_per_sm=6, min_blocks=2)
-    return W4A16Config("gemv_tc", 1, bn, bk, 1, split, 2, 3)
-
-
 @functools.lru_cache(maxsize=1)
 def tuned_gemv_configs() -> dict[tuple[int, int], W4A16Config]:
     """One-row tilings by (N, K) from the JSON file `$MLLMD_W4A16_TUNED` names (what
@@ -210,7 +169,7 @@ def tuned_gemv_configs() -> dict[tuple[int, int], W4A16Config]:
     out = {}
     for key, fields in raw.items():
         cfg = W4A16Config(**fields)
-        if cfg.mode not in ("gemv", "gemv_tc") or cfg.block_m != 1:
+        if cfg.mode != "gemv" or cfg.block_m != 1:
             raise ValueError(f"{path}: {key}: not a one-row gemv tiling: {fields}")
         if cfg.tiled_w or cfg.load_only:  # bench probes: another weight layout, or wrong sums
             raise ValueError(f"{path}: {key}: tiled_w / load_only are bench probes, not tilings: {fields}")
@@ -220,16 +179,10 @@ def tuned_gemv_configs() -> dict[tuple[int, int], W4A16Config]:
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
-def pick_w4a16_config(
-    m: int, n: int, k: int, group: int, num_sms: int, smem: int, tc: bool = False
-) -> W4A16Config:
-    """Tile sizes for x[m, k] @ W[n, k]^T by M (decode / prefill), fitted to shared memory; `tc`: the
-    tensor-core one-row kernel can run for this call (`tc_gemv_applies`)."""
-    tuned = tuned_gemv_configs().get((n, k)) if m == 1 else None
-    if tuned is not None and (tc or tuned.mode == "gemv"):
-        return tuned
-    if m == 1 and tc and tc_gemv_default():
-        return tc_gemv_config(n, k, group, num_sms)
+def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: int) -> W4A16Config:
+    """Tile sizes for x[m, k] @ W[n, k]^T by M (decode / prefill), fitted to shared memory."""
+    if m == 1 and (n, k) in tuned_gemv_configs():
+        return tuned_gemv_configs()[(n, k)]
     if m == 1:
         # ALU-bound: a K step of 64 rows x 128 columns per program at 2 warps (16 words per thread; the
         # x planes are shared by the rows, the row scale by the words), prefetched 4 steps deep through
@@ -479,107 +432,6 @@ def _w4a16_gemv_kernel(
     out = tl.sum(acc, axis=1)
     if GROUP_STEPS == 0:
         out *= s_row
-    if IS_SPLIT:
-        _splitk_store(out, part_ptr + offs_n, N, mask_n, y_ptr + offs_n, bias_ptr + offs_n,
-                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
-    else:
-        if HAS_BIAS:
-            out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
-
-
-
-@triton.jit
-def _nibble_pair(t, FP16: tl.constexpr, USE_ASM: tl.constexpr):
-    """(n - 8) for the nibbles at bits 0..3 and 16..19 of each int32 t, exactly, in bf16 (fp16 with
-    FP16): two tensors shaped like t. With USE_ASM one LOP3 puts both into the mantissas of a
-    bf16x2 128.0 (fp16x2 1024.0) and one packed FMA subtracts 136 (1032); else float32 math (the
-    interpreter)."""
-    if USE_ASM:
-        if FP16:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 r, one, bias; mov.b32 one, 0x3C003C00; mov.b32 bias, 0xE408E408; "
-                "lop3.b32 r, $2, 0x000F000F, 0x64006400, 0xEA; fma.rn.f16x2 r, r, one, bias; mov.b32 {$0, $1}, r; }",
-                "=h,=h,r", [t], dtype=(tl.float16, tl.float16), is_pure=True, pack=1,
-            )  # fmt: skip
-        else:
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 r, one, bias; mov.b32 one, 0x3F803F80; mov.b32 bias, 0xC308C308; "
-                "lop3.b32 r, $2, 0x000F000F, 0x43004300, 0xEA; fma.rn.bf16x2 r, r, one, bias; mov.b32 {$0, $1}, r; }",
-                "=h,=h,r", [t], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1,
-            )  # fmt: skip
-    else:
-        dt = tl.float16 if FP16 else tl.bfloat16
-        lo = (((t & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0).to(dt)
-        hi = ((((t >> 16) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0).to(dt)
-    return lo, hi
-
-
-@triton.jit
-def _w4a16_gemv_tc_kernel(
-    x_ptr,  # [1, K] bf16 / fp16
-    w_ptr,  # [N, K / 8] int32
-    s_ptr,  # [N, G] float32 / bf16 / fp16 (any strides)
-    bias_ptr,  # [N] (HAS_BIAS: unsplit, or split with SERIAL)
-    y_ptr,  # [1, N] (unsplit, or split with SERIAL)
-    part_ptr,  # [SPLIT_K, 1, N] float32 (IS_SPLIT)
-    lock_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters (SERIAL)
-    N,
-    K,  # a multiple of BLOCK_K
-    SPLIT_K,
-    stride_wn,
-    stride_sn,
-    stride_sg,
-    K_PER_SPLIT,  # multiple of BLOCK_K
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,  # divides the group: one scale per row and K step
-    GROUP_STEPS: tl.constexpr,  # K steps per group; 0: channel-wise
-    HAS_BIAS: tl.constexpr,
-    IS_SPLIT: tl.constexpr,
-    SERIAL: tl.constexpr,
-    FP16: tl.constexpr,  # x is fp16 (else bf16)
-    USE_ASM: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """M == 1 on tensor cores: each K step's [BLOCK_N, BLOCK_K] weights, dequantized to x's dtype as
-    (n - 8) exactly, times x broadcast to 16 identical columns (tl.dot's narrowest), in float32; the
-    step's sum is scaled by the rows' group scale. Word j's nibbles enter the dot in the order
-    0, 4, 1, 5, 2, 6, 3, 7 (each pair from one packed op, already where the MMA operand wants it), and
-    x is read in the same order."""
-    BW: tl.constexpr = BLOCK_K // 8
-    offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
-    pdl_sync(USE_PDL)
-    w_col = tl.multiple_of(k_start // 8, BW)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (w_col + tl.arange(0, BW))[None, :]
-    t = tl.arange(0, 8)
-    x_ptrs = x_ptr + k_start + tl.arange(0, BW)[:, None] * 8 + (t // 2 + 4 * (t % 2))[None, :]
-    s_rows = s_ptr + rows_n * stride_sn
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for k0 in tl.range(0, k_len, BLOCK_K, num_stages=NUM_STAGES):
-        words = tl.load(w_ptrs, eviction_policy="evict_first")
-        xb = tl.broadcast_to(tl.reshape(tl.load(x_ptrs), (BLOCK_K,))[:, None], (BLOCK_K, 16))
-        lo0, hi0 = _nibble_pair(words, FP16, USE_ASM)
-        lo1, hi1 = _nibble_pair(words >> 4, FP16, USE_ASM)
-        lo2, hi2 = _nibble_pair(words >> 8, FP16, USE_ASM)
-        lo3, hi3 = _nibble_pair(words >> 12, FP16, USE_ASM)
-        a = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo1, hi1)), tl.join(tl.join(lo2, hi2), tl.join(lo3, hi3)))
-        a = tl.reshape(tl.permute(a, (0, 1, 4, 3, 2)), (BLOCK_N, BLOCK_K))  # nibble (t // 2) + 4 (t % 2) at t
-        if DOT_F32:
-            part = tl.dot(a.to(tl.float32), xb.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(a, xb)
-        if GROUP_STEPS == 0:
-            acc += part
-        else:
-            g = (k_start + k0) // (BLOCK_K * GROUP_STEPS)
-            acc += part * tl.load(s_rows + g * stride_sg).to(tl.float32)[:, None]
-        w_ptrs += BW
-        x_ptrs += BLOCK_K
-    out = tl.max(acc, axis=1)  # the 16 columns are equal: the max is any one of them, exactly
-    if GROUP_STEPS == 0:
-        out *= tl.load(s_rows).to(tl.float32)
     if IS_SPLIT:
         _splitk_store(out, part_ptr + offs_n, N, mask_n, y_ptr + offs_n, bias_ptr + offs_n,
                       lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
@@ -887,13 +739,7 @@ def w4a16_gemm(
     assert out.shape == (m, n) and out.stride(1) == 1
     if m == 0:
         return out
-    tc = m == 1 and tc_gemv_applies(x.dtype, has_zp, k, group)
-    cfg = config or pick_w4a16_config(m, n, k, group, sm_count_for(x), max_shared_memory(x), tc)
-    if cfg.mode == "gemv_tc" and not tc:
-        raise ValueError(
-            f"the gemv_tc tiling needs one fp16 / bf16 row, symmetric weights and K a multiple of the K step: "
-            f"M={m}, {x.dtype}, zero points {has_zp}, K={k}, group {group}"
-        )
+    cfg = config or pick_w4a16_config(m, n, k, group, sm_count_for(x), max_shared_memory(x))
     bk = group_block_k(cfg.block_k, group, k)
     sub = cfg.sub_steps if cfg.mode == "gemv" else 1
     even_k = k % (bk * sub) == 0
@@ -921,16 +767,7 @@ def w4a16_gemm(
             f"{splitk_counters.numel()} split-K counters for {grid[0]} tiles"
         )
     locks = splitk_counters if serial else part
-    if cfg.mode == "gemv_tc":
-        _w4a16_gemv_tc_kernel[grid](
-            x, w_packed, w_scale, bias_arg, out, part, locks, n, k, split, w_packed.stride(0), w_scale.stride(0),
-            w_scale.stride(1), k_per_split,
-            BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_STEPS=0 if groups == 1 else group // bk,
-            HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial,
-            FP16=x.dtype == torch.float16, USE_ASM=not interpreting(), DOT_F32=dot_in_fp32(x.dtype),
-            NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
-        )  # fmt: skip
-    elif cfg.mode == "gemv":
+    if cfg.mode == "gemv":
         assert m == 1, f"the gemv tiling is for one row, not {m}"
         _w4a16_gemv_kernel[grid](
             x, w_packed, w_scale, zp, bias_arg, out, part, locks, n, k, kw, split, w_packed.stride(0),

@@ -11,14 +11,13 @@ reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize +
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
 alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced inside the launch with
 counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate reduce launch),
-"bf16" (at M = 1 `us_fma_gemv`: the FMA kernel's default tiling where the pick is gemv_tc), from M = 65 "w4a16_dequant_cublas", and at M = 1 on gate_up "int8_gemm_silu_mul" (the
+"bf16", from M = 65 "w4a16_dequant_cublas", and at M = 1 on gate_up "int8_gemm_silu_mul" (the
 gemv with silu(gate) * up in its epilogue; `us_two_launches`: int8_gemm then silu_and_mul).
 `--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA tilings of
 int8_gemm_tma; at M = 1 each gemv tiling with and without dp4a, for the GEMM on int8 rows and
 for the one-row w8a8_gemv with the quantization fused in) and prints the best (to tune pick_int8_config / pick_w4a16_config;
-every W4A16 candidate's output is checked against the reference; at M = 1 `--w4a16-modes` picks the
-one-row kernels swept, FMA "gemv" and tensor-core "gemv_tc"). With `--probes` the M = 1 w4a16 sweep also
-emits "w4a16_probe" lines (PROBE_TILINGS with load_only / tiled_w), and `--w4a16-tuned-out FILE` writes the
+every W4A16 candidate's output is checked against the reference). At M = 1 the w4a16 sweep also emits
+"w4a16_probe" lines (PROBE_TILINGS with load_only / tiled_w), and `--w4a16-tuned-out FILE` writes the
 best one-row tiling per shape in MLLMD_W4A16_TUNED's format. Under
 MLLMD_BENCH_SMOKE=1 TRITON_INTERPRET=1 it runs tiny shapes on the CPU (numbers meaningless).
 """
@@ -65,7 +64,6 @@ from mllmd_kernels.w4a16_gemm import (
     W4A16Config,
     pick_w4a16_config,
     splitk_counter_len,
-    tc_gemv_applies,
     tile_words,
     w4a16_dequantize,
     w4a16_gemm,
@@ -77,8 +75,6 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "dow
 MS = [1, 16, 64, 128, 256, 2048]  # 128 and 256: either side of DEQUANT_MIN_ROWS (W4A16)
 GROUP = 128
 TMA_OK = False  # set in main: the Hopper TMA tilings are swept only where they run
-W4A16_MODES = ("gemv", "gemv_tc")  # set in main (--w4a16-modes)
-PROBES = False  # set in main (--probes)
 if SMOKE:
     SHAPES, MS, GROUP = {"qkv": (96, 256), "down": (64, 384)}, [1, 5, 40], 64
 
@@ -153,12 +149,6 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
             tiles = -(-n // bn)
             splits = {auto_split(tiles, k, bk * sub, sms, c, 2) for c in (2, 4, 8, 16)}
             out += [W4A16Config("gemv", 1, bn, bk, 1, s, warps, stages, sub) for s in sorted(splits)]
-        # the tensor-core one-row kernel: 4 warps at 64+ rows is wgmma on sm90, else mma.sync
-        for bn, warps, stages in [(64, 2, 3), (64, 2, 1), (128, 4, 1), (128, 4, 3), (64, 4, 1), (32, 1, 1),
-                                  (32, 2, 1), (256, 4, 1), (128, 8, 1), (128, 2, 1)]:  # fmt: skip
-            tiles = -(-n // bn)
-            splits = {auto_split(tiles, k, 128, sms, c, 2) for c in (2, 4, 8, 16)}
-            out += [W4A16Config("gemv_tc", 1, bn, 128, 1, s, warps, stages) for s in sorted(splits)]
         return out
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
@@ -257,19 +247,16 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     def gemm4(i: int, c: W4A16Config | None = None, serial: bool = True) -> torch.Tensor:
         return w4a16_gemm(xs[i], w4[i % sets4], s4[i % sets4], config=c, splitk_counters=counters if serial else None)
 
-    cfg4 = pick_w4a16_config(m, n, k, GROUP, sms, smem, m == 1 and tc_gemv_applies(bf, False, k, GROUP))
+    cfg4 = pick_w4a16_config(m, n, k, GROUP, sms, smem)
     ref4 = w4a16_gemm_ref(xs[0], w4[0], s4[0])
     err = _rel(gemm4(0), ref4)
     t = time_calls(gemm4, sets)
-    cands4 = [c for c in _w4a16_candidates(m, n, k) if m > 1 or c.mode in W4A16_MODES]
-    extra = (_sweep("w4a16", name, m, t, cfg4, cands4, gemm4, sets, lambda out: _rel(out, ref4))
+    extra = (_sweep("w4a16", name, m, t, cfg4, _w4a16_candidates(m, n, k), gemm4, sets, lambda out: _rel(out, ref4))
              if "w4a16" in sweep else {})  # fmt: skip
-    if m == 1 and cfg4.mode == "gemv_tc":  # the FMA kernel's default tiling, for comparison
-        extra["us_fma_gemv"] = round(time_calls(lambda i: gemm4(i, pick_w4a16_config(1, n, k, GROUP, sms, smem)), sets), 2)
     if cfg4.split_k > 1:  # the same launch with the partials added by a second launch, for comparison
         extra["us_reduce_launch"] = round(time_calls(lambda i: gemm4(i, serial=False), sets), 2)
     w4_bytes = n * k // 2 + n * (k // GROUP) * 4
-    if m == 1 and "w4a16" in sweep and PROBES:
+    if m == 1 and "w4a16" in sweep:
         _w4a16_probes(name, n, k, xs, w4, s4, counters, sets, copy_gbps, w4_bytes)
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
@@ -317,15 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16"], default=None,
                    help="also time a list of tilings per case (of these kernels; all when none named)")
-    p.add_argument("--w4a16-modes", nargs="+", choices=["gemv", "gemv_tc"], default=["gemv", "gemv_tc"],
-                   help="the one-row W4A16 kernels whose tilings the sweep times")
-    p.add_argument("--probes", action="store_true", help="with --sweep w4a16 at M = 1: the w4a16_probe lines")
     p.add_argument("--w4a16-tuned-out", default=None,
                    help="write the W4A16 sweep's best one-row tiling per (N, K) here (MLLMD_W4A16_TUNED's format)")
     args = p.parse_args(argv)
     sweep = [] if args.sweep is None else (args.sweep or ["int8", "w4a16"])
-    global W4A16_MODES, PROBES
-    W4A16_MODES, PROBES = tuple(args.w4a16_modes), args.probes
     global TMA_OK
     if not SMOKE:
         probe = torch.zeros(16, 16, dtype=torch.int8, device=DEVICE)
@@ -358,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.w4a16_tuned_out:
         dims = {r["shape"]: dict(f.split("=") for f in r["shape"].split()[1:]) for r in sweeps}
         best = {f"{dims[r['shape']]['N']},{dims[r['shape']]['K']}": r["best_config"] for r in sweeps
-                if r["kernel"] == "w4a16" and dims[r["shape"]]["M"] == "1" and r["best_config"]["mode"] in ("gemv", "gemv_tc")}  # fmt: skip
+                if r["kernel"] == "w4a16" and dims[r["shape"]]["M"] == "1" and r["best_config"]["mode"] == "gemv"}  # fmt: skip
         with open(args.w4a16_tuned_out, "w") as f:
             json.dump(best, f, indent=1)
         print(f"# W4A16 one-row tilings for {len(best)} shapes -> {args.w4a16_tuned_out}")
