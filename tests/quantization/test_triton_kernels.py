@@ -433,3 +433,32 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     assert fused_out.top_logprobs == plain_out.top_logprobs, "the fused decode route changed the logits"
     if graph_tokens is not None:
         assert graph_tokens == fused_out.token_ids, "the fused route in CUDA graphs decoded other tokens"
+
+
+@needs_kernels
+@pytest.mark.parametrize("variant", ["w4a16_g128_lm_head", "w8a8_lm_head"])
+def test_quantized_lm_head_on_the_triton_kernels(quantized: Any, variant: str) -> None:
+    """A quantized lm_head (a checkpoint made without ignore=["lm_head"]) computes the logits through
+    its scheme's Triton kernel (the whole vocabulary as N): float32 prefill logits follow the same
+    model on the CPU with the torch reference kernels. Under the interpreter only the head's kernel
+    is swapped to Triton (the CPU picks the references)."""
+    from mllmd import LLM
+    from tests.quantization.test_numerics import engine_prefill_logits, tokenize
+
+    model_dir = quantized(variant)
+    prompts = tokenize(model_dir)[:2]
+    options = dict(dtype="float32", chunked_prefill_size=0, disable_radix_cache=True, disable_cuda_graph=True,
+                   max_total_tokens=512)  # fmt: skip
+    ref = engine_prefill_logits(LLM(str(model_dir), device="cpu", **options), prompts)
+    llm = LLM(str(model_dir), device=str(DEVICE), **options)
+    head = llm.engine.runner.model.lm_head
+    triton_kernel = _TRITON["w8a8" if variant.startswith("w8a8") else "w4a16"]
+    if not isinstance(head.quant_method.kernel, triton_kernel):
+        kernel = triton_kernel(head.quant_method.scheme)
+        kernel.process_weights(head)
+        head.quant_method.kernel = kernel
+    got = engine_prefill_logits(llm, prompts)
+    assert isinstance(head.quant_method.kernel, triton_kernel)
+    tol = 2e-3 if variant.startswith("w8a8") else 1e-4  # W8A8: a tie in the int8 rounding of x may differ
+    for g, want in zip(got, ref):
+        assert g.shape == want.shape and rel_err(g.cpu().float(), want) < tol
