@@ -25,6 +25,9 @@ for planes 0..4, s = 4i - 16 in word >> 16 for planes 5..7: one shift per word);
 x[8j + i] into a float32 partial. Once per K step the partial is multiplied by the row's scale
 (channel-wise: once, at the end). Per K step x's planes come from one [BLOCK_K / 8, 8] load split
 with tl.split, and the words are prefetched NUM_STAGES steps ahead through shared memory (cp.async).
+Tried and slower on the H200: a tensor-core one-row kernel (each nibble pair dequantized by one LOP3 and
+one bf16x2 FMA straight into the MMA operand, 3.2 instructions a weight; 22d8b63, reverted) took
+1.4-1.6x this kernel's time on every Qwen3-8B shape (shared-memory round trips, 6 barriers a K step).
 
 Large M (`prefers_dequant`: 256 rows and up, or 128 where the fused tiling has too few tiles):
 `w4a16_dequantize` writes the weight once in the activation
@@ -674,8 +677,9 @@ def w4a16_dequantize(
 # Scale dtypes the kernels read (each widened to float32 on load, so a bf16 scale that holds the
 # float32 value exactly gives the same products). TritonW4A16Kernel keeps a layer's scales in float32
 # all the same: with bf16 scales the one-row gemv was 21% slower on the H200 (Qwen3-8B batch-1 decode
-# step 3.174 against 2.623 ms, same call), likely because its 2-byte scale loads are not prefetched
-# through the cp.async pipeline as the 4-byte ones are.
+# step 3.174 against 2.623 ms, same call): its 2-byte scale loads are not prefetched through the
+# cp.async pipeline as the 4-byte ones are (the sm90 SASS of the K loop has an LDG.E.U16 waited on
+# every step, where float32 scales come in by LDGSTS with the words).
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
