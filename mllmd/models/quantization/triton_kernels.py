@@ -15,15 +15,14 @@
   path for small batches (each layer keeps its own split-K counters, so the last program of a tile
   adds the partials: no reduce launch) and a tiled prefill path. The packed weight is used as stored; the scales
   (and zero points) are made column-major once at load (same shape), so a K step reads the scales of
-  a block of rows contiguously, and the scales are kept in bf16 (or fp16) where that holds each one
-  exactly (compressed-tensors writes a bf16 model's scales in bf16): half the scale bytes, the same
-  products (the kernels widen them to float32).
+  a block of rows contiguously; the scales stay float32 even where the checkpoint stored bf16 (the
+  one-row gemv waits on 2-byte scale loads every K step: see mllmd_kernels.SCALE_DTYPES).
 
 Both are registered ahead of the torch references (mllmd.models.quantization imports this module)
 and accept only CUDA devices with Triton, so CPU runs keep the references. `apply` launches kernels
 whose shapes depend only on x.shape: no host synchronisation, CUDA-graph capturable. The layer's
-parameters stay the checkpoint's quantized tensors (W4A16 scales narrowed back to the checkpoint's
-bf16 where exact), so weight_bytes counts what is read per step.
+parameters stay the checkpoint's quantized tensors (W4A16 scales as float32, however stored), so
+weight_bytes counts what is read per step.
 """
 
 from __future__ import annotations
