@@ -1,0 +1,294 @@
+"""w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
+
+The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at ~4.2 instructions a weight and
+reaches 0.27-0.55 of copy bandwidth on an H200; this kernel dequantizes two weights per LOP3 and one
+packed FMA straight into mma.sync operands (~1.8 instructions a weight), reading the weights as
+compressed-tensors stores them (no re-layout, so the Triton paths for larger M share the tensors).
+
+It is an optional accelerator: the source is compiled once per GPU architecture with the CUDA
+toolkit's `nvcc` into a shared library (no PyTorch headers; loaded with ctypes, launched on the
+current stream, so CUDA graphs capture it) and cached under `cache_dir()`. Where no nvcc is found,
+the build fails or MLLMD_CUDA_KERNELS=0, `unavailable_reason` says why and callers keep the Triton
+kernels. sm80+ only (mma.sync bf16 / fp16; Jetson Orin is sm87); PDL on sm90+.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mllmd_kernels._triton import pdl_args, sm_count_for
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
+ABI_VERSION = 5  # mllmd_w4a16_mma_abi() of a library this module can call
+MAX_ROWS = 8  # x rows: the MMA's 8 B columns
+MAX_WARPS = 8  # kMaxWarps in the source
+TRIP_K = 256  # columns of a warp's shorter loop trip (trip_words = 8): K must be a multiple
+BUILD_TIMEOUT_S = 600
+# Warps a launch should give each SM at least (split-K until it does): enough loads in flight.
+MIN_WARPS_PER_SM = 16
+
+
+# Kernel variants (kExact ... in the source): EXACT is the kernel; the probes time parts of it (wrong
+# sums; bench only): PROBE_LOAD keeps only the weight loads, PROBE_COMPUTE all but the weight loads.
+EXACT, PROBE_LOAD, PROBE_COMPUTE = 0, 2, 3
+VARIANT_NAMES = {EXACT: "exact", PROBE_LOAD: "probe_load", PROBE_COMPUTE: "probe_compute"}
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """How a launch divides the work: each warp loads `trip_words` words of each of its two rows per
+    loop trip (8: 256 columns, 16: 512; 16 needs 16-byte vectors, groups of 128+ columns); `split`
+    warps share a 16-row tile's K (their partials added in shared memory); a CTA has `warps` warps."""
+
+    trip_words: int
+    split: int
+    warps: int
+    variant: int = EXACT
+
+
+def mma_layout(k: int, group: int) -> tuple[int, int] | None:
+    """(vec, gshift) for K columns in groups of `group` (group >= k: channel-wise), or None where the
+    kernel cannot run them: each lane loads `vec` words a row (a chunk of 32 * vec columns must lie in
+    one group) and 2**gshift chunks make a group."""
+    if k % TRIP_K:
+        return None
+    if group >= k:
+        return 4, 30
+    for vec in (4, 2, 1):
+        chunk = 32 * vec
+        if group % chunk == 0:
+            chunks = group // chunk
+            if chunks & (chunks - 1):  # a power of two: the kernel masks, it does not divide
+                return None
+            return vec, chunks.bit_length() - 1
+    return None
+
+
+def supports(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
+    """This kernel computes x[m, k] @ W[n, k]^T in `dtype` with `group` columns per scale."""
+    return 1 <= m <= MAX_ROWS and n % 16 == 0 and dtype in (torch.bfloat16, torch.float16) and mma_layout(k, group) is not None
+
+
+def valid_config(cfg: MmaConfig, k: int, group: int) -> bool:
+    layout = mma_layout(k, group)
+    return (
+        layout is not None
+        and cfg.trip_words in (8, 16)
+        and (cfg.trip_words == 8 or layout[0] == 4)
+        and k % (32 * cfg.trip_words) == 0
+        and 1 <= cfg.warps <= MAX_WARPS
+        and cfg.split >= 1
+        and cfg.warps % cfg.split == 0
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
+    """Launch configs by (N, K) from the JSON file $MLLMD_W4A16_MMA_TUNED names ({"N,K": [trip_words,
+    split, warps]}, what `bench_quant --sweep w4a16` prints as w4a16_mma's best); {} when unset."""
+    path = os.environ.get("MLLMD_W4A16_MMA_TUNED")
+    if not path:
+        return {}
+    with open(path) as f:
+        raw = json.load(f)
+    return {tuple(int(v) for v in key.split(",")): MmaConfig(*fields[:3]) for key, fields in raw.items()}  # type: ignore[misc]
+
+
+def pick_config(n: int, k: int, group: int, num_sms: int) -> MmaConfig:
+    """Split K over the fewest warps that give every SM MIN_WARPS_PER_SM warps (each warp keeping two
+    trips or more); 512-column trips for long rows (K >= 8192). On the H200's Qwen3-8B shapes this is
+    what the bench_quant sweep picked (qkv / o / down split 8, gate_up split 2, 512-column trips for
+    down only)."""
+    tuned = tuned_configs().get((n, k))
+    if tuned is not None and valid_config(tuned, k, group):
+        return tuned
+    tiles = n // 16
+    split = 1
+    while split < MAX_WARPS and tiles * split < MIN_WARPS_PER_SM * num_sms and k // TRIP_K >= 2 * split * 2:
+        split *= 2
+    layout = mma_layout(k, group)
+    wide = layout is not None and layout[0] == 4 and k >= 8192 and k % 512 == 0 and k // 512 >= 2 * split
+    return MmaConfig(16 if wide else 8, split, max(4, split))
+
+
+def find_nvcc() -> str | None:
+    """The CUDA compiler: $MLLMD_NVCC, $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc."""
+    candidates = [os.environ.get("MLLMD_NVCC")]
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
+    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    for c in candidates:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $MLLMD_KERNEL_CACHE, else $XDG_CACHE_HOME/mllmd/cuda (the
+    systemd unit sets XDG_CACHE_HOME=/var/cache/mllmd), else ~/.cache/mllmd/cuda."""
+    if os.environ.get("MLLMD_KERNEL_CACHE"):
+        return Path(os.environ["MLLMD_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mllmd" / "cuda"
+
+
+def build_command(nvcc: str, arch: str, out: str) -> list[str]:
+    """nvcc arguments that build SOURCE for sm_`arch` into the shared library `out`."""
+    return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            "-o", out, str(SOURCE)]  # fmt: skip
+
+
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+
+
+def library_path(nvcc: str, arch: str) -> Path:
+    """The cached library for this source, compiler and architecture."""
+    key = hashlib.sha256(SOURCE.read_bytes() + _nvcc_version(nvcc).encode() + arch.encode()).hexdigest()[:16]
+    return cache_dir() / f"w4a16_mma_sm{arch}_{key}.so"
+
+
+def build(nvcc: str, arch: str) -> Path:
+    """Compile SOURCE for sm_`arch` unless cached; atomic (a temporary file renamed into place)."""
+    path = library_path(nvcc, arch)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+    os.close(fd)
+    try:
+        logger.info("building the W4A16 CUDA kernel for sm_%s with %s (once per GPU kind)", arch, nvcc)
+        proc = subprocess.run(build_command(nvcc, arch, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+class _Library:
+    """The loaded shared library's entry points."""
+
+    def __init__(self, path: Path) -> None:
+        self.lib = ctypes.CDLL(str(path))
+        if self.lib.mllmd_w4a16_mma_abi() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI {self.lib.mllmd_w4a16_mma_abi()}, expected {ABI_VERSION}")
+        fn = self.lib.mllmd_w4a16_mma
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 14 + [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self.launch = fn
+        self.lib.mllmd_cuda_error_string.argtypes = [ctypes.c_int]
+        self.lib.mllmd_cuda_error_string.restype = ctypes.c_char_p
+
+    def error(self, code: int) -> str:
+        return self.lib.mllmd_cuda_error_string(code).decode()
+
+
+_REASONS: dict[str, str] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _library_for(arch: str) -> _Library | None:
+    if os.environ.get("MLLMD_CUDA_KERNELS", "auto").lower() in ("0", "off", "false", "no"):
+        _REASONS[arch] = "turned off by MLLMD_CUDA_KERNELS"
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
+        _REASONS[arch] = "no nvcc found (set CUDA_HOME or MLLMD_NVCC)"
+        return None
+    try:
+        return _Library(build(nvcc, arch))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _REASONS[arch] = f"build failed: {e}"
+        logger.warning("W4A16 CUDA kernel unavailable for sm_%s, using the Triton kernels: %s", arch, e)
+        return None
+
+
+def _arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """None if the kernel runs on `device` (building it on first use), else why not."""
+    if device.type != "cuda":
+        return f"needs a CUDA device (got {device.type})"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs sm80+ (mma.sync bf16)"
+    arch = _arch(device)
+    return None if _library_for(arch) is not None else _REASONS.get(arch, "unavailable")
+
+
+def w4a16_mma(
+    x: torch.Tensor,  # [M, K] bf16 / fp16, M <= 8, unit last stride
+    w_packed: torch.Tensor,  # [N, K / 8] int32, unit last stride
+    w_scale: torch.Tensor,  # [N, G] float32 stored G-major: strides (1, N) (or [N, 1])
+    w_zero_point: torch.Tensor | None = None,  # [N, G] int8, G-major like w_scale
+    bias: torch.Tensor | None = None,  # [N] x.dtype, contiguous
+    out: torch.Tensor | None = None,  # [M, N] x.dtype, unit last stride
+    config: MmaConfig | None = None,
+) -> torch.Tensor:
+    """y = x @ dequant(W)^T (+ bias) on the tensor cores; callers check `supports` and
+    `unavailable_reason` first. Float32 sums; each group's sum is scaled once."""
+    m, k = x.shape
+    n, kw = w_packed.shape
+    groups = w_scale.shape[1]
+    group = k // groups
+    layout = mma_layout(k, group)
+    if not supports(m, n, k, group, x.dtype) or layout is None:
+        raise ValueError(f"w4a16_mma cannot run M={m} N={n} K={k} group={group} {x.dtype}")
+    if x.stride(1) != 1 or w_packed.stride(1) != 1 or w_packed.dtype != torch.int32 or kw != k // 8:
+        raise ValueError("w4a16_mma needs K-contiguous x and int32 w_packed [N, K / 8]")
+    if w_scale.dtype != torch.float32 or w_scale.shape[0] != n or w_scale.stride(0) != 1 or (
+        groups > 1 and w_scale.stride(1) != n
+    ):
+        raise ValueError(f"w4a16_mma needs float32 scales [N, G] stored G-major, got {w_scale.dtype} strides {w_scale.stride()}")
+    if w_zero_point is not None and (
+        w_zero_point.dtype != torch.int8 or w_zero_point.stride() != w_scale.stride() or w_zero_point.shape != w_scale.shape
+    ):
+        raise ValueError("w4a16_mma needs int8 zero points laid out as the scales")
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != n):
+        raise ValueError("w4a16_mma needs a contiguous bias [N] in x's dtype")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError("w4a16_mma: out must be [M, N] in x's dtype with a unit last stride")
+    lib = _library_for(_arch(x.device))
+    if lib is None:
+        raise RuntimeError(f"w4a16_mma is unavailable: {unavailable_reason(x.device)}")
+    vec, gshift = layout
+    cfg = config or pick_config(n, k, group, sm_count_for(x))
+    if not valid_config(cfg, k, group):
+        raise ValueError(f"w4a16_mma: {cfg} does not fit K={k} group={group}")
+    if cfg.variant != EXACT and (x.dtype != torch.bfloat16 or layout[0] != 4 or w_zero_point is not None):
+        raise ValueError("w4a16_mma: the probes are built for bf16, groups of 128+ columns, symmetric only")
+    use_pdl = 1 if pdl_args(x).get("USE_PDL") else 0
+    err = lib.launch(
+        x.data_ptr(), w_packed.data_ptr(), w_scale.data_ptr(),
+        w_zero_point.data_ptr() if w_zero_point is not None else None,
+        bias.data_ptr() if bias is not None else None, out.data_ptr(),
+        m, n, k, w_packed.stride(0), x.stride(0), out.stride(0), vec, gshift, cfg.trip_words, cfg.split,
+        cfg.warps, cfg.variant, 1 if x.dtype == torch.bfloat16 else 0, use_pdl, torch.cuda.current_stream(x.device).cuda_stream,
+    )  # fmt: skip
+    if err:
+        raise RuntimeError(f"w4a16_mma launch failed: {lib.error(err)}")
+    return out
