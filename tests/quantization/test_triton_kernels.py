@@ -17,10 +17,12 @@ from mllmd_kernels import (
     silu_and_mul,
     unpack_int4_ref,
 )
+from mllmd_kernels import w4a16_mma as mma
 from mllmd_kernels.testing import REL_TOL, close_tol, kernel_device, on_gpu, rel_err, skip_reason
 
 from mllmd.models.layers import Int8Rows, Linear, MergedLinear, SiluAndMul
 from mllmd.models.quantization import (
+    CudaW4A16Kernel,
     LinearScheme,
     QuantLinearKernel,
     TritonW4A16Kernel,
@@ -62,8 +64,10 @@ def test_cpu_keeps_the_reference_kernels() -> None:
 def test_cuda_prefers_the_triton_kernels() -> None:
     cuda = torch.device("cuda")
     assert type(select_kernel(W8A8_CHANNEL, cuda)) is TritonW8A8Kernel
+    # W4A16: the CUDA decode kernel where nvcc builds it (a TritonW4A16Kernel for larger batches)
+    w4a16 = TritonW4A16Kernel if mma.unavailable_reason(cuda) else CudaW4A16Kernel
     for scheme in W4A16_SCHEMES.values():
-        assert type(select_kernel(scheme, cuda)) is TritonW4A16Kernel
+        assert type(select_kernel(scheme, cuda)) is w4a16
 
 
 def test_kernel_library_references_equal_ops() -> None:
@@ -137,11 +141,13 @@ def _random_layer(
     return layer
 
 
-def _compare(make: Any, method: str, dtype: torch.dtype, k: int, tokens: tuple[int, ...]) -> None:
+def _compare(
+    make: Any, method: str, dtype: torch.dtype, k: int, tokens: tuple[int, ...], kernel: Any = None
+) -> None:
     ref_layer = _prepare(make(), _REFERENCE[method])
     layer = make()
     before = _param_bytes(layer)
-    _prepare(layer, _TRITON[method])
+    _prepare(layer, kernel or _TRITON[method])
     assert _param_bytes(layer) == before, "the Triton kernel changed what the layer stores"
     g = torch.Generator().manual_seed(sum(tokens))
     for t in tokens:
@@ -169,6 +175,31 @@ def test_triton_kernel_equals_reference_kernel(variant: str, dtype: torch.dtype)
     fused = {"gate": 40, "up": 24}
     _compare(lambda: _random_layer(scheme, k, fused, False, dtype, 1), scheme.method, dtype, k, (1, 5, 70))
     _compare(lambda: _random_layer(scheme, k, {"o": 24}, True, dtype, 2), scheme.method, dtype, k, (1, 3, 260))  # 260 rows: the dequantize + matmul path
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or mma.unavailable_reason(torch.device("cuda")) is not None,
+    reason="needs CUDA and the w4a16_mma library (nvcc)",
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", list(W4A16_SCHEMES))
+def test_cuda_w4a16_kernel_equals_reference_kernel(variant: str, dtype: torch.dtype, monkeypatch: Any) -> None:
+    """CudaW4A16Kernel: up to 8 rows on w4a16_mma (counted), more on the Triton paths; the o layer of
+    N = 24 is not a whole number of 16-row tiles, so all its rows take the Triton paths."""
+    pytest.importorskip("compressed_tensors")
+    scheme, k = W4A16_SCHEMES[variant], 256
+    calls: list[int] = []
+    real = mma.w4a16_mma
+    monkeypatch.setattr(mma, "w4a16_mma", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
+    fused = {"gate": 40, "up": 24}
+    _compare(lambda: _random_layer(scheme, k, fused, False, dtype, 1), "w4a16", dtype, k, (1, 5, 8, 9, 70), CudaW4A16Kernel)
+    assert calls == [1, 5, 8, 6, 6], calls  # 9 and 70 rows on Triton; the [2, 3, K] input is 6 rows
+    calls.clear()
+    _compare(lambda: _random_layer(scheme, k, {"o": 32}, True, dtype, 2), "w4a16", dtype, k, (1, 3), CudaW4A16Kernel)
+    assert calls == [1, 3, 6, 6], calls
+    calls.clear()
+    _compare(lambda: _random_layer(scheme, k, {"o": 24}, True, dtype, 2), "w4a16", dtype, k, (1, 3), CudaW4A16Kernel)
+    assert calls == []
 
 
 @needs_kernels
@@ -443,3 +474,49 @@ def test_quantized_lm_head_on_the_triton_kernels(quantized: Any, variant: str) -
     tol = 2e-3 if method == "w8a8" else 1e-4  # W8A8: a tie in the int8 rounding of x may differ
     for got, want in zip(logits[_TRITON[method]], logits[_REFERENCE[method]]):
         assert got.shape == want.shape and rel_err(got.float(), want.float()) < tol
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or mma.unavailable_reason(torch.device("cuda")) is not None,
+    reason="needs CUDA and the w4a16_mma library (nvcc)",
+)
+def test_w4a16_model_decodes_on_the_cuda_kernel(tmp_path: Any) -> None:
+    """A W4A16 model whose every projection the CUDA kernel takes (hidden 256): the engine picks
+    CudaW4A16Kernel for each layer, decode steps launch it (eagerly, and captured in CUDA graphs with
+    PDL), greedy tokens are the same with and without graphs, and each layer's one-row product is
+    within the output's rounding of the float32 reference."""
+    pytest.importorskip("compressed_tensors")
+    from mllmd_kernels import w4a16_gemm_ref
+
+    from mllmd import LLM, SamplingParams
+    from mllmd.testing.checkpoints import build_tiny_checkpoint
+    from mllmd.testing.quantize import quantize_checkpoint
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    base = build_tiny_checkpoint(tmp_path / "base", "Qwen3-0.6B", tie_word_embeddings=False, seed=5, **shape)
+    model_dir = quantize_checkpoint(base, tmp_path / "w4a16", "W4A16")
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [[100 + i for i in range(9)], [2000 + 7 * i for i in range(5)]]
+    tokens = {}
+    for graphs in (False, True):
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", disable_cuda_graph=not graphs, max_total_tokens=512)
+        layers = [m for m in llm.engine.runner.model.modules()
+                  if isinstance(getattr(getattr(m, "quant_method", None), "kernel", None), TritonW4A16Kernel)]  # fmt: skip
+        assert len(layers) == 2 * 4  # qkv, o, gate_up, down in each of the 2 layers
+        assert all(type(m.quant_method.kernel) is CudaW4A16Kernel and m.quant_method.kernel.mma_ok for m in layers)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:  # the GPU's own list of launched kernels
+            outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        launched = [e.key for e in prof.key_averages() if "w4a16_mma_kernel" in e.key]
+        assert launched, f"no w4a16_mma launch in the decode steps (graphs={graphs})"
+        tokens[graphs] = [o.token_ids for o in outs]
+        assert all(len(t) == 12 for t in tokens[graphs])
+        g = torch.Generator().manual_seed(1)
+        for layer in layers:
+            x = torch.randn(1, layer.in_features, generator=g).to(device="cuda", dtype=torch.bfloat16)
+            with torch.no_grad():
+                out = layer.quant_method.kernel.apply(layer, x, None)
+            ref = w4a16_gemm_ref(x.float(), layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
+            assert rel_err(out, ref) < 3e-3
+        del llm
+    assert tokens[True] == tokens[False]

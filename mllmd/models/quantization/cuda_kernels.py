@@ -1,0 +1,50 @@
+"""CudaW4A16Kernel: TritonW4A16Kernel with decode batches (up to 8 rows) on the CUDA tensor-core kernel
+`mllmd_kernels.w4a16_mma`, where it builds (nvcc found, sm80+, MLLMD_CUDA_KERNELS not 0).
+
+The layer's tensors are the Triton kernel's (the packed words as stored; float32 scales and zero
+points G-major), so larger batches and prefill keep the Triton paths on the same memory. A layer whose
+shape the CUDA kernel does not take (N % 16, K % 256, a group that is not 32 / 64 / a power-of-two
+multiple of 128 columns) runs every batch on the Triton paths.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from mllmd_kernels import w4a16_mma as mma
+
+from mllmd.models.quantization.config import LinearScheme
+from mllmd.models.quantization.kernels import register_kernel
+from mllmd.models.quantization.triton_kernels import TritonW4A16Kernel, _rows
+
+if TYPE_CHECKING:
+    from mllmd.models.layers.linear import Linear
+
+
+class CudaW4A16Kernel(TritonW4A16Kernel):
+    """W4A16 on CUDA: up to 8 rows on the mma.sync kernel (w4a16_mma), the rest as TritonW4A16Kernel."""
+
+    @classmethod
+    def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
+        why = super().can_implement(scheme, device)
+        return why if why is not None else mma.unavailable_reason(device)  # builds the library once
+
+    def process_weights(self, layer: Linear) -> None:
+        super().process_weights(layer)
+        n, k = layer.weight_packed.shape[0], layer.in_features
+        group = k // layer.weight_scale.shape[1]
+        self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = _rows(x)
+        if self.mma_ok and x2.shape[0] <= mma.MAX_ROWS and x2.shape[0] > 0 and x2.dtype == layer.params_dtype:
+            if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
+                bias = bias.to(x2.dtype).contiguous()
+            zero_point = getattr(layer, "weight_zero_point", None)
+            out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
+            return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
+        return super().apply(layer, x, bias)
+
+
+register_kernel(CudaW4A16Kernel)

@@ -1,0 +1,128 @@
+"""w4a16_mma (the CUDA tensor-core W4A16 decode kernel) on a GPU, against the float32 reference:
+every group layout (32 / 64 / 128 / 256 columns, channel-wise), symmetric and asymmetric, 1..8 rows,
+bias, bf16 and fp16, the Qwen3-8B shapes; under a CUDA graph with PDL launches. Skips where the
+kernel cannot be built (no GPU, no nvcc)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mllmd_kernels import pdl_launches, w4a16_gemm, w4a16_gemm_ref
+from mllmd_kernels import w4a16_mma as mma
+from mllmd_kernels.testing import DTYPES, poisoned, randn, rel_err
+
+from tests.kernel.test_w4a16_gemm import make_weights
+
+
+def _reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    return mma.unavailable_reason(torch.device("cuda"))
+
+
+pytestmark = pytest.mark.skipif(_reason() is not None, reason=f"w4a16_mma unavailable: {_reason()}")
+DEVICE = "cuda"
+# ||out - ref|| / ||ref|| against the exact float32 result: the kernel's weights are exact and its sums
+# float32, so only the output's rounding remains (bf16: ~1.1e-3 rms, fp16: ~1.4e-4).
+TOL = {torch.bfloat16: 3e-3, torch.float16: 5e-4}
+
+# (N, K, group or None for channel-wise, asymmetric)
+SHAPES = [
+    (16, 256, 128, False),
+    (48, 512, 64, True),
+    (32, 768, 32, True),
+    (64, 1024, 32, False),
+    (32, 1024, 256, True),
+    (16, 2048, None, True),
+    (80, 256, None, False),
+    (6144, 4096, 128, False),  # Qwen3-8B qkv
+    (4096, 12288, 128, True),  # down, asymmetric
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize(("n", "k", "group", "asym"), SHAPES)
+def test_w4a16_mma_matches_float32_reference(
+    n: int, k: int, group: int | None, asym: bool, m: int, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(n * 31 + k + m)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    x = randn(m, k, dtype=dtype, device=DEVICE, gen=g)
+    out = poisoned((m, n), dtype, DEVICE)
+    mma.w4a16_mma(x, packed, scale, zp, out=out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any(), "some outputs were never written"
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp)
+    assert rel_err(out, ref) < TOL[dtype]
+    for row in range(m):  # each row on its own: no row may take another's x
+        assert rel_err(out[row], ref[row]) < TOL[dtype]
+
+
+@pytest.mark.parametrize(("trip_words", "split", "warps"), [(8, 1, 4), (16, 1, 8), (8, 2, 4), (16, 4, 8), (8, 8, 8), (8, 3, 6)])
+def test_w4a16_mma_every_launch_config(trip_words: int, split: int, warps: int) -> None:
+    """Each way of dividing the work gives the same sums: tiles per CTA (an N that leaves the last CTA
+    a tile short), K split over warps (unevenly: 3 parts of 8 or 16 trips), both trip lengths."""
+    n, k, m = 16 * 37, 4096, 3
+    g = torch.Generator().manual_seed(trip_words * 100 + split * 10 + warps)
+    packed, scale, zp = make_weights(n, k, 128, True, g)
+    x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    out = poisoned((m, n), torch.bfloat16, DEVICE)
+    mma.w4a16_mma(x, packed, scale, zp, out=out, config=mma.MmaConfig(trip_words, split, warps))
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp)
+    assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_w4a16_mma_bias_and_strided_rows(dtype: torch.dtype) -> None:
+    """A bias in x's dtype, x rows with a stride wider than K, and an output with one too."""
+    n, k, m = 96, 512, 3
+    g = torch.Generator().manual_seed(5)
+    packed, scale, zp = make_weights(n, k, 64, True, g)
+    xs = randn(m, k + 64, dtype=dtype, device=DEVICE, gen=g)
+    x = xs[:, :k]
+    bias = randn(n, dtype=dtype, device=DEVICE, gen=g)
+    out_buf = poisoned((m, n + 16), dtype, DEVICE)
+    out = out_buf[:, :n]
+    mma.w4a16_mma(x, packed, scale, zp, bias, out=out)
+    ref = w4a16_gemm_ref(x.float(), packed, scale, zp, bias.float())
+    assert rel_err(out, ref) < TOL[dtype]
+    assert out_buf[:, n:].isnan().all(), "wrote past its output columns"
+
+
+def test_w4a16_mma_equals_triton_gemv_closely() -> None:
+    """The CUDA kernel and the Triton one-row gemv (both float32 sums of exact weights) agree to the
+    output's rounding on a Qwen3-8B gate/up shape."""
+    n, k = 24576, 4096
+    g = torch.Generator().manual_seed(11)
+    packed, scale, _ = make_weights(n, k, 128, False, g)
+    x = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    a = mma.w4a16_mma(x, packed, scale)
+    b = w4a16_gemm(x, packed, scale)
+    assert rel_err(a, b) < 3e-3
+
+
+def test_w4a16_mma_in_a_cuda_graph_with_pdl() -> None:
+    """Captured (with PDL launches where the GPU has them) after another kernel, replayed on new
+    inputs: the same bits as an eager launch."""
+    n, k = 4096, 4096
+    g = torch.Generator().manual_seed(3)
+    packed, scale, _ = make_weights(n, k, 128, False, g)
+    x = torch.zeros(1, k, dtype=torch.bfloat16, device=DEVICE)
+    src = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    out = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), pdl_launches():
+        for _ in range(2):  # warm-up on the side stream, as capture wants
+            torch.mul(src, 2.0, out=x)
+            mma.w4a16_mma(x, packed, scale, out=out)
+        with torch.cuda.graph(graph, stream=stream):
+            torch.mul(src, 2.0, out=x)  # x is written by the kernel just before
+            mma.w4a16_mma(x, packed, scale, out=out)
+    for _ in range(3):
+        src.copy_(randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = mma.w4a16_mma(src * 2.0, packed, scale)
+        assert torch.equal(out, eager)
