@@ -11,7 +11,8 @@ reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize +
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
 alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced inside the launch with
 counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate reduce launch),
-"bf16", from M = 65 "w4a16_dequant_cublas", and at M = 1 on gate_up "int8_gemm_silu_mul" (the
+"bf16", up to M = 8 "w4a16_mma" (the CUDA tensor-core kernel, where nvcc builds it), from M = 65
+"w4a16_dequant_cublas", and at M = 1 on gate_up "int8_gemm_silu_mul" (the
 gemv with silu(gate) * up in its epilogue; `us_two_launches`: int8_gemm then silu_and_mul).
 `--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA tilings of
 int8_gemm_tma; at M = 1 each gemv tiling with and without dp4a, for the GEMM on int8 rows and
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mllmd_kernels import w4a16_mma as mma
 from mllmd_kernels._triton import num_sms
 from mllmd_kernels.activation import silu_and_mul
 from mllmd_kernels.bench.common import (
@@ -263,6 +265,26 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         _w4a16_probes(name, n, k, xs, w4, s4, counters, sets, copy_gbps, w4_bytes)
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
+    if m <= mma.MAX_ROWS and DEVICE == "cuda" and mma.unavailable_reason(xs[0].device) is None:
+        # the CUDA tensor-core decode kernel (what CudaW4A16Kernel runs up to 8 rows), same weights
+        def run_mma(i: int, c: mma.MmaConfig | None = None) -> torch.Tensor:
+            return mma.w4a16_mma(xs[i], w4[i % sets4], s4[i % sets4], config=c)
+
+        cfg_mma = mma.pick_config(n, k, GROUP, sms)
+        err = _rel(run_mma(0), ref4)
+        t = time_calls(run_mma, sets)
+        extra = {}
+        if "w4a16_mma" in sweep:
+            cands = [mma.MmaConfig(tw, sp, wa) for tw in (8, 16) for sp in (1, 2, 4, 8) for wa in (4, 8)
+                     if wa % sp == 0 and mma.valid_config(mma.MmaConfig(tw, sp, wa), k, GROUP)]  # fmt: skip
+            extra = _sweep("w4a16_mma", name, m, t, cfg_mma, cands, run_mma, sets, lambda out: _rel(out, ref4))
+            for v in (mma.EXACT, mma.PROBE_LOAD, mma.PROBE_COMPUTE):  # the default split, parts left out
+                c = mma.MmaConfig(cfg_mma.trip_words, cfg_mma.split, cfg_mma.warps, v)
+                tp = time_calls(lambda i, c=c: run_mma(i, c), sets)
+                emit(_line("w4a16_mma_probe", name, m, n, k, tp, None, w4_bytes, copy_gbps, variant=mma.VARIANT_NAMES[v],
+                           config=c.__dict__))  # fmt: skip
+        emit(_line("w4a16_mma", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP,
+                   config=cfg_mma.__dict__, **extra))  # fmt: skip
     if m > 64:  # dequantize + cuBLAS (what TritonW4A16Kernel runs from DEQUANT_MIN_ROWS rows on), to compare
 
         def dq4(i: int) -> torch.Tensor:
@@ -305,12 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--m", type=int, nargs="+", default=MS)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16"], default=None,
+    p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16", "w4a16_mma"], default=None,
                    help="also time a list of tilings per case (of these kernels; all when none named)")
     p.add_argument("--w4a16-tuned-out", default=None,
                    help="write the W4A16 sweep's best one-row tiling per (N, K) here (MLLMD_W4A16_TUNED's format)")
     args = p.parse_args(argv)
-    sweep = [] if args.sweep is None else (args.sweep or ["int8", "w4a16"])
+    sweep = [] if args.sweep is None else (args.sweep or ["int8", "w4a16", "w4a16_mma"])
     global TMA_OK
     if not SMOKE:
         probe = torch.zeros(16, 16, dtype=torch.int8, device=DEVICE)
@@ -340,13 +362,17 @@ def main(argv: list[str] | None = None) -> None:
         print("# sweeps: best tiling per case")
         for r in sweeps:
             print(json.dumps({k: r[k] for k in ("kernel", "shape", "us", "best_us", "best_config")}))
+    dims = {r["shape"]: dict(f.split("=") for f in r["shape"].split()[1:]) for r in sweeps}
     if args.w4a16_tuned_out:
-        dims = {r["shape"]: dict(f.split("=") for f in r["shape"].split()[1:]) for r in sweeps}
         best = {f"{dims[r['shape']]['N']},{dims[r['shape']]['K']}": r["best_config"] for r in sweeps
                 if r["kernel"] == "w4a16" and dims[r["shape"]]["M"] == "1" and r["best_config"]["mode"] == "gemv"}  # fmt: skip
         with open(args.w4a16_tuned_out, "w") as f:
             json.dump(best, f, indent=1)
         print(f"# W4A16 one-row tilings for {len(best)} shapes -> {args.w4a16_tuned_out}")
+    mma_best = {f"{dims[r['shape']]['N']},{dims[r['shape']]['K']}": list(r["best_config"].values())[:3] for r in sweeps
+                if r["kernel"] == "w4a16_mma" and dims[r["shape"]]["M"] == "1"} if sweeps else {}  # fmt: skip
+    if mma_best:  # MLLMD_W4A16_MMA_TUNED's format
+        print("# w4a16_mma best one-row configs: " + json.dumps(mma_best))
     print_table([r for r in ROWS if r.get("kernel") != "bf16"])
     print(f"# total {time.time() - t0:.0f}s")
 
