@@ -49,7 +49,7 @@ if git -C "$repo" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
           done \
         | tar --null -T - -cf -) | tar -C "$src" -xf -
 else
-    tar -C "$repo" --exclude=.git --exclude=.venv --exclude=dist --exclude='*.egg-info' \
+    tar -C "$repo" --exclude=.git --exclude=.venv --exclude=.ci-nvcc --exclude=.ci-triton30 --exclude=dist --exclude='*.egg-info' \
         --exclude=__pycache__ --exclude=.pytest_cache --exclude=.ruff_cache --exclude=.hypothesis \
         -cf - . | tar -C "$src" -xf -
 fi

@@ -1,9 +1,12 @@
 """w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
 
-The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at ~4.2 instructions a weight and
+The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight and
 reaches 0.27-0.55 of copy bandwidth on an H200; this kernel dequantizes two weights per LOP3 and one
-packed FMA straight into mma.sync operands (~1.8 instructions a weight), reading the weights as
-compressed-tensors stores them (no re-layout, so the Triton paths for larger M share the tensors).
+packed FMA straight into mma.sync operands (2.7 instructions a weight in its sm_90 loop), reading the
+weights as compressed-tensors stores them (no re-layout, so the Triton paths for larger M share the
+tensors). On the H200 (Qwen3-8B shapes) it is 1.1x the Triton gemv at one row and 1.7-2x the Triton
+skinny kernel at 8; its probes say its own latency, not bandwidth, bounds it (gate/up, one split:
+the weight loads alone 15.7 us, 0.80 of copy bandwidth; everything but them 17.5 us; the whole 24.1).
 
 It is an optional accelerator: the source is compiled once per GPU architecture with the CUDA
 toolkit's `nvcc` into a shared library (no PyTorch headers; loaded with ctypes, launched on the
@@ -148,9 +151,13 @@ def cache_dir() -> Path:
 
 
 def build_command(nvcc: str, arch: str, out: str) -> list[str]:
-    """nvcc arguments that build SOURCE for sm_`arch` into the shared library `out`."""
-    return [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-            "-o", out, str(SOURCE)]  # fmt: skip
+    """nvcc arguments that build SOURCE for sm_`arch` into the shared library `out` (the CUDA runtime
+    linked statically; a toolkit from PyPI's nvidia-cuda-* wheels keeps it in ../lib, not lib64)."""
+    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    lib = Path(nvcc).resolve().parent.parent / "lib"
+    if (lib / "libcudart_static.a").is_file():
+        cmd.append(f"-L{lib}")
+    return cmd + ["-o", out, str(SOURCE)]
 
 
 def _nvcc_version(nvcc: str) -> str:
