@@ -102,7 +102,7 @@ def valid_config(cfg: MmaConfig, k: int, group: int) -> bool:
 @functools.lru_cache(maxsize=1)
 def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
     """Launch configs by (N, K) from the JSON file $MLLMD_W4A16_MMA_TUNED names ({"N,K": [trip_words,
-    split, warps]}, what `bench_quant --sweep w4a16` prints as w4a16_mma's best); {} when unset."""
+    split, warps]}, what `bench_quant --sweep w4a16_mma` prints as the best per shape); {} when unset."""
     path = os.environ.get("MLLMD_W4A16_MMA_TUNED")
     if not path:
         return {}

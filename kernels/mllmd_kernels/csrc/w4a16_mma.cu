@@ -5,8 +5,10 @@
 // stored as q + 8. Scales float32 and zero points int8 (asymmetric only) are [N, G], stored G-major
 // (element (n, g) at g * N + n). w = (q - zero_point) * scale.
 //
-// A warp owns 16 weight rows (the MMA's A operand, 16 x 16 per step) and a slice of K; the CTA's warps
-// split K and add their partials in shared memory. Lane (r = lane / 4, t = lane % 4) loads VEC
+// A warp owns 16 weight rows (a "tile": the MMA's A operand, 16 x 16 per step) and a slice of K; `split`
+// warps of a CTA share a tile's K and add their partials in shared memory (in a fixed order), and a CTA
+// holds warps / split tiles. Each warp loads one loop trip ahead (256 or 512 columns of its two rows
+// a lane: TRIP_WORDS words) while it multiplies the current one. Lane (r = lane / 4, t = lane % 4) loads VEC
 // consecutive words of rows r and r + 8 (one vector each), so every load is as the checkpoint stores
 // it: no re-layout at load. The A fragment of m16n8k16 gives lane (r, t) the K slots {2t, 2t + 1} and
 // {2t + 8, 2t + 9} of rows r and r + 8, and the B fragment gives it the same K slots of column r; any
