@@ -162,3 +162,30 @@ def test_source_compiles_without_spills(arch: str, tmp_path: Path) -> None:
     # nvcc 13.0 spills 4 bytes in sm87's compute probe (bench only); anything more is a regression
     assert len(spills) == 20 and all(int(s) <= 16 for s in spills), proc.stderr[-3000:]
     assert os.access(out, os.R_OK)
+
+
+def test_default_launch_splits_are_the_measured_ones() -> None:
+    """On an H200 (132 SMs) the Qwen3-8B shapes get the splits the bench_quant sweep picked there (issue 7,
+    calls 2-3): qkv / o / down split 8, gate_up split 2, 512-column trips for down only; every pick is a
+    valid launch, also on an Orin's 16 SMs."""
+    picks = {shape: mma.pick_config(*shape, 128, 132) for shape in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]}
+    assert [(c.trip_words, c.split, c.warps) for c in picks.values()] == [(8, 8, 8), (8, 8, 8), (8, 2, 4), (16, 8, 8)]
+    for (n, k), _ in picks.items():
+        for sms in (16, 132):
+            for group in (32, 64, 128, k):
+                assert mma.valid_config(mma.pick_config(n, k, group, sms), k, group)
+
+
+def test_tuned_launch_splits_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLLMD_W4A16_MMA_TUNED overrides the split of the shapes it names; one that does not fit the
+    layer (512-column trips for groups of 64) falls back to the default."""
+    path = tmp_path / "tuned.json"
+    path.write_text('{"6144,4096": [16, 4, 4], "4096,4096": [16, 1, 4]}')
+    monkeypatch.setenv("MLLMD_W4A16_MMA_TUNED", str(path))
+    mma.tuned_configs.cache_clear()
+    try:
+        assert mma.pick_config(6144, 4096, 128, 132) == mma.MmaConfig(16, 4, 4)
+        assert mma.pick_config(4096, 4096, 64, 132) == mma.MmaConfig(8, 8, 8)  # vec 2: no 512-column trips
+        assert mma.pick_config(24576, 4096, 128, 132) == mma.MmaConfig(8, 2, 4)  # not named: the default
+    finally:
+        mma.tuned_configs.cache_clear()
