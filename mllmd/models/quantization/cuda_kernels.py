@@ -37,10 +37,9 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
         self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # x in the layer's dtype: so is its bias (Linear makes it so), which the kernel adds as it is
         x2 = _rows(x)
         if self.mma_ok and x2.shape[0] <= mma.MAX_ROWS and x2.shape[0] > 0 and x2.dtype == layer.params_dtype:
-            if bias is not None and (bias.dtype != x2.dtype or not bias.is_contiguous()):
-                bias = bias.to(x2.dtype).contiguous()
             zero_point = getattr(layer, "weight_zero_point", None)
             out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
