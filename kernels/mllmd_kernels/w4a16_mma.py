@@ -1,12 +1,12 @@
 """w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
 
-The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight and
-reaches 0.27-0.55 of copy bandwidth on an H200; this kernel dequantizes two weights per LOP3 and one
-packed FMA straight into mma.sync operands (2.7 instructions a weight in its sm_90 loop), reading the
-weights as compressed-tensors stores them (no re-layout, so the Triton paths for larger M share the
-tensors). On the H200 (Qwen3-8B shapes) it is 1.1x the Triton gemv at one row and 1.7-2x the Triton
-skinny kernel at 8; its probes say its own latency, not bandwidth, bounds it (gate/up, one split:
-the weight loads alone 15.7 us, 0.80 of copy bandwidth; everything but them 17.5 us; the whole 24.1).
+The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight; this
+kernel turns two weights into mma.sync operands with one LOP3, reading the weights as compressed-tensors
+stores them (no re-layout, so the Triton paths for larger M share the tensors). Each warp streams its
+slice of K through a private ring of shared-memory stages (cp.async, 3 stages ahead), so its loads do
+not wait on its arithmetic. One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and
+subtracts (136 + zero point) * sum(x) per group, with x staged once per CTA already in B-fragment
+order; fp16 and several rows subtract the offset from each weight pair (one packed FMA) instead.
 
 It is an optional accelerator: the source is compiled once per GPU architecture with the CUDA
 toolkit's `nvcc` into a shared library (no PyTorch headers; loaded with ctypes, launched on the
@@ -36,13 +36,16 @@ from mllmd_kernels._triton import pdl_args, sm_count_for
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
-ABI_VERSION = 5  # mllmd_w4a16_mma_abi() of a library this module can call
+ABI_VERSION = 7  # mllmd_w4a16_mma_abi() of a library this module can call
 MAX_ROWS = 8  # x rows: the MMA's 8 B columns
 MAX_WARPS = 8  # kMaxWarps in the source
-TRIP_K = 256  # columns of a warp's shorter loop trip (trip_words = 8): K must be a multiple
+STAGE_K = 256  # columns of a ring stage (kStageCols): K must be a multiple
+STAGES = 3  # ring stages a warp at most (kStages)
 BUILD_TIMEOUT_S = 600
-# Warps a launch should give each SM at least (split-K until it does): enough loads in flight.
-MIN_WARPS_PER_SM = 16
+# Warps a launch should give each SM at least (split-K until it does): enough loads in flight; and
+# stages a warp should stream at most (a long row is split even when the SMs have warps enough).
+MIN_WARPS_PER_SM = 7
+MAX_STAGES_PER_WARP = 8
 
 
 # Kernel variants (kExact ... in the source): EXACT is the kernel; the probes time parts of it (wrong
@@ -53,11 +56,9 @@ VARIANT_NAMES = {EXACT: "exact", PROBE_LOAD: "probe_load", PROBE_COMPUTE: "probe
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """How a launch divides the work: each warp loads `trip_words` words of each of its two rows per
-    loop trip (8: 256 columns, 16: 512; 16 needs 16-byte vectors, groups of 128+ columns); `split`
-    warps share a 16-row tile's K (their partials added in shared memory); a CTA has `warps` warps."""
+    """How a launch divides the work: `split` warps share a 16-row tile's K (their partials added in
+    shared memory, in a fixed order); a CTA has `warps` warps, so it holds warps / split tiles."""
 
-    trip_words: int
     split: int
     warps: int
     variant: int = EXACT
@@ -67,7 +68,7 @@ def mma_layout(k: int, group: int) -> tuple[int, int] | None:
     """(vec, gshift) for K columns in groups of `group` (group >= k: channel-wise), or None where the
     kernel cannot run them: each lane loads `vec` words a row (a chunk of 32 * vec columns must lie in
     one group) and 2**gshift chunks make a group."""
-    if k % TRIP_K:
+    if k % STAGE_K:
         return None
     if group >= k:
         return 4, 30
@@ -87,45 +88,57 @@ def supports(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
 
 
 def valid_config(cfg: MmaConfig, k: int, group: int) -> bool:
-    layout = mma_layout(k, group)
-    return (
-        layout is not None
-        and cfg.trip_words in (8, 16)
-        and (cfg.trip_words == 8 or layout[0] == 4)
-        and k % (32 * cfg.trip_words) == 0
-        and 1 <= cfg.warps <= MAX_WARPS
-        and cfg.split >= 1
-        and cfg.warps % cfg.split == 0
-    )
+    return mma_layout(k, group) is not None and 1 <= cfg.warps <= MAX_WARPS and cfg.split >= 1 and cfg.warps % cfg.split == 0
+
+
+def offset_form(m: int, dtype: torch.dtype) -> bool:
+    """The kernel subtracts the weights' offset from the group sums (x staged in shared memory): one
+    bf16 row. fp16 (whose offset is 8x bf16's against the same float32 sums) and several rows subtract
+    it from each weight pair."""
+    return m == 1 and dtype == torch.bfloat16
+
+
+def smem_bytes(m: int, k: int, vec: int, warps: int, split: int, zero_point: bool, dtype: torch.dtype) -> int:
+    """Shared memory a launch needs (mllmd_w4a16_mma_smem in the source): `warps` rings of min(STAGES,
+    a warp's stages) stages (256 columns of words, and per chunk 16 scales and 16 zero-point words;
+    the split-K partials reuse them), and in the offset form x (K halves) with its float32 sum per
+    chunk of 32 * vec columns."""
+    most = -(-(k // STAGE_K) // split)
+    slots = min(STAGES, max(1, most))
+    stage = 2048 + (8 // vec) * 64 * (2 if zero_point else 1)
+    x_bytes = 2 * k + (k // (32 * vec)) * 4 if offset_form(m, dtype) else 0
+    return warps * slots * stage + x_bytes
 
 
 @functools.lru_cache(maxsize=1)
 def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
-    """Launch configs by (N, K) from the JSON file $MLLMD_W4A16_MMA_TUNED names ({"N,K": [trip_words,
-    split, warps]}, what `bench_quant --sweep w4a16_mma` prints as the best per shape); {} when unset."""
+    """Launch configs by (N, K) from the JSON file $MLLMD_W4A16_MMA_TUNED names ({"N,K": [split, warps]},
+    what `bench_quant --sweep w4a16_mma` prints as the best per shape); {} when unset."""
     path = os.environ.get("MLLMD_W4A16_MMA_TUNED")
     if not path:
         return {}
     with open(path) as f:
         raw = json.load(f)
-    return {tuple(int(v) for v in key.split(",")): MmaConfig(*fields[:3]) for key, fields in raw.items()}  # type: ignore[misc]
+    return {tuple(int(v) for v in key.split(",")): MmaConfig(*fields[:2]) for key, fields in raw.items()}  # type: ignore[misc]
 
 
 def pick_config(n: int, k: int, group: int, num_sms: int) -> MmaConfig:
-    """Split K over the fewest warps that give every SM MIN_WARPS_PER_SM warps (each warp keeping two
-    trips or more); 512-column trips for long rows (K >= 8192). On the H200's Qwen3-8B shapes this is
-    what the bench_quant sweep picked (qkv / o / down split 8, gate_up split 2, 512-column trips for
-    down only)."""
+    """CTAs of MAX_WARPS warps; K split over the fewest warps (a power of two up to 8, each warp keeping
+    two stages or more) that give every SM MIN_WARPS_PER_SM warps and no warp more than
+    MAX_STAGES_PER_WARP stages. On the H200's Qwen3-8B shapes these are the bench_quant sweep's picks
+    (issue 7): qkv / o split 4, gate_up 2, down 8."""
     tuned = tuned_configs().get((n, k))
     if tuned is not None and valid_config(tuned, k, group):
         return tuned
-    tiles = n // 16
+    tiles, stages = n // 16, k // STAGE_K
     split = 1
-    while split < MAX_WARPS and tiles * split < MIN_WARPS_PER_SM * num_sms and k // TRIP_K >= 2 * split * 2:
+    while (
+        split < MAX_WARPS
+        and stages >= 4 * split
+        and (tiles * split < MIN_WARPS_PER_SM * num_sms or stages > MAX_STAGES_PER_WARP * split)
+    ):
         split *= 2
-    layout = mma_layout(k, group)
-    wide = layout is not None and layout[0] == 4 and k >= 8192 and k % 512 == 0 and k // 512 >= 2 * split
-    return MmaConfig(16 if wide else 8, split, max(4, split))
+    return MmaConfig(split, MAX_WARPS)
 
 
 def find_nvcc() -> str | None:
@@ -198,9 +211,12 @@ class _Library:
         if self.lib.mllmd_w4a16_mma_abi() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI {self.lib.mllmd_w4a16_mma_abi()}, expected {ABI_VERSION}")
         fn = self.lib.mllmd_w4a16_mma
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 14 + [ctypes.c_void_p]
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self.launch = fn
+        self.smem = self.lib.mllmd_w4a16_mma_smem  # (M, K, vec, warps, split, has_zero_point, bf16) -> bytes
+        self.smem.argtypes = [ctypes.c_int] * 7
+        self.smem.restype = ctypes.c_int
         self.lib.mllmd_cuda_error_string.argtypes = [ctypes.c_int]
         self.lib.mllmd_cuda_error_string.restype = ctypes.c_char_p
 
@@ -245,6 +261,29 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None if _library_for(arch) is not None else _REASONS.get(arch, "unavailable")
 
 
+@functools.lru_cache(maxsize=8)
+def _smem_limit(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+
+
+def fits(m: int, k: int, group: int, dtype: torch.dtype, zero_point: bool, device: torch.device) -> bool:
+    """A launch of up to MAX_WARPS warps for these shapes fits the device's shared memory per block
+    (the offset form stages x, which grows with K: a very long row, or a GPU with less shared memory,
+    keeps the Triton kernels)."""
+    layout = mma_layout(k, group)
+    return layout is not None and smem_bytes(m, k, layout[0], MAX_WARPS, 1, zero_point, dtype) <= _smem_limit(device.index or 0)
+
+
+def aligned(x: torch.Tensor) -> bool:
+    """x's rows start on 16 bytes (the kernel reads x in 16-byte vectors)."""
+    return _aligned(x, 16)
+
+
+def _aligned(t: torch.Tensor, nbytes: int) -> bool:
+    """t's start and row stride are multiples of nbytes (the kernel's vector loads and copies)."""
+    return t.data_ptr() % nbytes == 0 and (t.dim() < 2 or t.shape[0] == 1 or (t.stride(0) * t.element_size()) % nbytes == 0)
+
+
 def w4a16_mma(
     x: torch.Tensor,  # [M, K] bf16 / fp16, M <= 8, unit last stride
     w_packed: torch.Tensor,  # [N, K / 8] int32, unit last stride
@@ -273,6 +312,9 @@ def w4a16_mma(
         w_zero_point.dtype != torch.int8 or w_zero_point.stride() != w_scale.stride() or w_zero_point.shape != w_scale.shape
     ):
         raise ValueError("w4a16_mma needs int8 zero points laid out as the scales")
+    vec, gshift = layout
+    if not (_aligned(x, 16) and _aligned(w_packed, 4 * vec) and (w_zero_point is None or w_zero_point.data_ptr() % 4 == 0)):
+        raise ValueError(f"w4a16_mma needs x rows on 16 bytes and weight rows on {4 * vec} bytes")
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != n):
         raise ValueError("w4a16_mma needs a contiguous bias [N] in x's dtype")
     if out is None:
@@ -282,10 +324,12 @@ def w4a16_mma(
     lib = _library_for(_arch(x.device))
     if lib is None:
         raise RuntimeError(f"w4a16_mma is unavailable: {unavailable_reason(x.device)}")
-    vec, gshift = layout
     cfg = config or pick_config(n, k, group, sm_count_for(x))
     if not valid_config(cfg, k, group):
         raise ValueError(f"w4a16_mma: {cfg} does not fit K={k} group={group}")
+    smem = smem_bytes(m, k, vec, cfg.warps, cfg.split, w_zero_point is not None, x.dtype)
+    if smem > _smem_limit(x.device.index or 0):
+        raise ValueError(f"w4a16_mma: {cfg} at K={k} needs {smem} bytes of shared memory a block, more than the GPU has")
     if cfg.variant != EXACT and (x.dtype != torch.bfloat16 or layout[0] != 4 or w_zero_point is not None):
         raise ValueError("w4a16_mma: the probes are built for bf16, groups of 128+ columns, symmetric only")
     use_pdl = 1 if pdl_args(x).get("USE_PDL") else 0
@@ -293,7 +337,7 @@ def w4a16_mma(
         x.data_ptr(), w_packed.data_ptr(), w_scale.data_ptr(),
         w_zero_point.data_ptr() if w_zero_point is not None else None,
         bias.data_ptr() if bias is not None else None, out.data_ptr(),
-        m, n, k, w_packed.stride(0), x.stride(0), out.stride(0), vec, gshift, cfg.trip_words, cfg.split,
+        m, n, k, w_packed.stride(0), x.stride(0), out.stride(0), vec, gshift, cfg.split,
         cfg.warps, cfg.variant, 1 if x.dtype == torch.bfloat16 else 0, use_pdl, torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     if err:

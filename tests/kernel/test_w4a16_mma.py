@@ -59,18 +59,39 @@ def test_w4a16_mma_matches_float32_reference(
         assert rel_err(out[row], ref[row]) < TOL[dtype]
 
 
-@pytest.mark.parametrize(("trip_words", "split", "warps"), [(8, 1, 4), (16, 1, 8), (8, 2, 4), (16, 4, 8), (8, 8, 8), (8, 3, 6)])
-def test_w4a16_mma_every_launch_config(trip_words: int, split: int, warps: int) -> None:
+@pytest.mark.parametrize(("split", "warps"), [(1, 4), (1, 8), (2, 4), (4, 8), (8, 8), (3, 6)])
+@pytest.mark.parametrize(("m", "group", "asym"), [(3, 128, True), (1, 128, True), (1, None, False), (1, 256, True)])
+def test_w4a16_mma_every_launch_config(split: int, warps: int, m: int, group: int | None, asym: bool) -> None:
     """Each way of dividing the work gives the same sums: tiles per CTA (an N that leaves the last CTA
-    a tile short), K split over warps (unevenly: 3 parts of 8 or 16 trips), both trip lengths."""
-    n, k, m = 16 * 37, 4096, 3
-    g = torch.Generator().manual_seed(trip_words * 100 + split * 10 + warps)
-    packed, scale, zp = make_weights(n, k, 128, True, g)
+    a tile short), K split over warps (unevenly: 3 parts of 16 stages), in both forms (one bf16 row
+    subtracts the offset per group: a split inside a channel-wise or 256-column group subtracts it
+    over the part's columns only)."""
+    n, k = 16 * 37, 4096
+    g = torch.Generator().manual_seed(split * 10 + warps + m)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
     x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
     out = poisoned((m, n), torch.bfloat16, DEVICE)
-    mma.w4a16_mma(x, packed, scale, zp, out=out, config=mma.MmaConfig(trip_words, split, warps))
+    mma.w4a16_mma(x, packed, scale, zp, out=out, config=mma.MmaConfig(split, warps))
     ref = w4a16_gemm_ref(x.float(), packed, scale, zp)
     assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("group", [32, 128, None])
+def test_w4a16_mma_offset_form_with_a_large_common_x(group: int | None, asym: bool) -> None:
+    """The offset form multiplies 128 + q + 8 and subtracts (136 + zero point) * sum(x): an x whose
+    mean dwarfs its spread (sum(x) large, the result small against it) still matches the reference to
+    the output's rounding, as the exact form does for the same x in two rows."""
+    n, k = 256, 4096
+    g = torch.Generator().manual_seed(17 + (group or 0) + asym)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    x = (randn(2, k, dtype=torch.float32, device=DEVICE, gen=g) * 0.05 + 4.0).to(torch.bfloat16)
+    x[1] = x[0]
+    ref = w4a16_gemm_ref(x[:1].float(), packed, scale, zp)
+    one = mma.w4a16_mma(x[:1], packed, scale, zp)  # offset form
+    two = mma.w4a16_mma(x, packed, scale, zp)  # exact form
+    assert rel_err(two[:1], ref) < TOL[torch.bfloat16]
+    assert rel_err(one, ref) < TOL[torch.bfloat16], (rel_err(one, ref), rel_err(two[:1], ref))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

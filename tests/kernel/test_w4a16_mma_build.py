@@ -4,6 +4,8 @@ beside the venv: MLLMD_NVCC), the CUDA source compiled for Jetson Orin (sm87) an
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import os
 import re
 import stat
@@ -35,7 +37,8 @@ def _fresh_library_cache():
         (4096, 96, None),  # three 32-column chunks a group: not a power of two
         (4096, 384, None),
         (4096, 16, None),  # a chunk would span groups
-        (4000, 4000, None),  # K not a multiple of 256
+        (4000, 4000, None),  # K not a multiple of 256 (a ring stage)
+        (4224, 128, None),
     ],
 )
 def test_mma_layout(k: int, group: int, layout: tuple[int, int] | None) -> None:
@@ -150,7 +153,8 @@ def _real_nvcc() -> str | None:
 @pytest.mark.parametrize("arch", ["87", "90"])
 def test_source_compiles_without_spills(arch: str, tmp_path: Path) -> None:
     """The CUDA source builds for Orin and the H200 (every template: bf16 / fp16, 4 / 2 / 1 words a
-    vector, with and without zero points; 512-column trips for 16-byte vectors), with no register spills."""
+    vector, with and without zero points, bf16's offset form for one row; the bench probes), with no
+    register spills; the library's shared-memory sizes are smem_bytes'."""
     out = tmp_path / f"w4a16_mma_sm{arch}.so"
     cmd = mma.build_command(_real_nvcc(), arch, str(out)) + ["-Xptxas", "-v"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=mma.BUILD_TIMEOUT_S)
@@ -158,18 +162,28 @@ def test_source_compiles_without_spills(arch: str, tmp_path: Path) -> None:
     assert out.stat().st_size > 0
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
-    assert len(kernels) == 20, proc.stderr[-3000:]
-    # nvcc 13.0 spills 4 bytes in sm87's compute probe (bench only); anything more is a regression
-    assert len(spills) == 20 and all(int(s) <= 16 for s in spills), proc.stderr[-3000:]
+    # exact: bf16 (3 vectors x zero points or not x offset form or not) + fp16 (3 x 2); probes: 2 x 2
+    assert len(kernels) == 22, proc.stderr[-3000:]
+    assert len(spills) == 22 and all(int(s) == 0 for s in spills), proc.stderr[-3000:]
     assert os.access(out, os.R_OK)
+    smem = ctypes.CDLL(str(out)).mllmd_w4a16_mma_smem  # loads without a GPU (the CUDA runtime is static)
+    smem.argtypes, smem.restype = [ctypes.c_int] * 7, ctypes.c_int
+    for m, k, vec, (warps, split), zp, dtype in itertools.product(
+        (1, 3), (256, 768, 4096, 12288), (4, 2, 1), ((1, 1), (4, 2), (8, 8), (6, 3)), (False, True),
+        (torch.bfloat16, torch.float16),
+    ):
+        want = smem(m, k, vec, warps, split, int(zp), int(dtype == torch.bfloat16))
+        assert mma.smem_bytes(m, k, vec, warps, split, zp, dtype) == want, (m, k, vec, warps, split, zp, dtype)
 
 
 def test_default_launch_splits_are_the_measured_ones() -> None:
-    """On an H200 (132 SMs) the Qwen3-8B shapes get the splits the bench_quant sweep picked there (issue 7,
-    calls 2-3): qkv / o / down split 8, gate_up split 2, 512-column trips for down only; every pick is a
-    valid launch, also on an Orin's 16 SMs."""
-    picks = {shape: mma.pick_config(*shape, 128, 132) for shape in [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]}
-    assert [(c.trip_words, c.split, c.warps) for c in picks.values()] == [(8, 8, 8), (8, 8, 8), (8, 2, 4), (16, 8, 8)]
+    """On an H200 (132 SMs) the Qwen3-8B shapes get the launches the bench_quant sweep picked there (issue 7;
+    qkv's (4, 4) and (4, 8) were within 0.5%): qkv / o split 4, gate_up 2, down 8, CTAs of 8 warps; every
+    pick is a valid launch, also on an Orin's 16 SMs (where the rows' length sets the split)."""
+    shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
+    picks = {shape: mma.pick_config(*shape, 128, 132) for shape in shapes}
+    assert [(c.split, c.warps) for c in picks.values()] == [(4, 8), (4, 8), (2, 8), (8, 8)]
+    assert [mma.pick_config(*shape, 128, 16).split for shape in shapes] == [2, 2, 2, 8]
     for (n, k), _ in picks.items():
         for sms in (16, 132):
             for group in (32, 64, 128, k):
@@ -177,15 +191,42 @@ def test_default_launch_splits_are_the_measured_ones() -> None:
 
 
 def test_tuned_launch_splits_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """MLLMD_W4A16_MMA_TUNED overrides the split of the shapes it names; one that does not fit the
-    layer (512-column trips for groups of 64) falls back to the default."""
+    """MLLMD_W4A16_MMA_TUNED overrides the split of the shapes it names; one that is not a launch (3
+    parts over 4 warps) falls back to the default."""
     path = tmp_path / "tuned.json"
-    path.write_text('{"6144,4096": [16, 4, 4], "4096,4096": [16, 1, 4]}')
+    path.write_text('{"6144,4096": [4, 4], "4096,4096": [3, 4]}')
     monkeypatch.setenv("MLLMD_W4A16_MMA_TUNED", str(path))
     mma.tuned_configs.cache_clear()
     try:
-        assert mma.pick_config(6144, 4096, 128, 132) == mma.MmaConfig(16, 4, 4)
-        assert mma.pick_config(4096, 4096, 64, 132) == mma.MmaConfig(8, 8, 8)  # vec 2: no 512-column trips
-        assert mma.pick_config(24576, 4096, 128, 132) == mma.MmaConfig(8, 2, 4)  # not named: the default
+        assert mma.pick_config(6144, 4096, 128, 132) == mma.MmaConfig(4, 4)
+        assert mma.pick_config(4096, 4096, 64, 132) == mma.MmaConfig(4, 8)  # not a launch: the default
+        assert mma.pick_config(24576, 4096, 128, 132) == mma.MmaConfig(2, 8)  # not named: the default
     finally:
         mma.tuned_configs.cache_clear()
+
+
+def test_offset_form_and_shared_memory_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bf16 row stages x (2 bytes a column) in shared memory; where that would not fit the GPU's
+    shared memory per block the layer keeps the Triton kernels (fits), and a launch is refused by name."""
+    bf, fp = torch.bfloat16, torch.float16
+    assert mma.offset_form(1, bf) and not mma.offset_form(2, bf) and not mma.offset_form(1, fp)
+    base = mma.smem_bytes(2, 12288, 4, 8, 1, False, bf)
+    assert mma.smem_bytes(1, 12288, 4, 8, 1, False, bf) == base + 2 * 12288 + (12288 // 128) * 4
+    assert mma.smem_bytes(1, 12288, 4, 8, 1, False, fp) == base
+    # a ring holds min(3, a warp's 256-column stages) stages: 4096 columns split 8 ways is 2 stages
+    assert mma.smem_bytes(2, 4096, 4, 8, 8, False, bf) == 8 * 2 * (2048 + 2 * 64)
+    monkeypatch.setattr(mma, "_smem_limit", lambda index: mma.smem_bytes(1, 12288, 4, 8, 1, False, bf))
+    dev = torch.device("cuda", 0)
+    assert mma.fits(1, 12288, 128, bf, False, dev)
+    assert not mma.fits(1, 16384, 128, bf, False, dev)  # a longer row's x does not fit
+    assert mma.fits(2, 16384, 128, bf, False, dev)  # several rows stage no x
+    assert not mma.fits(1, 12288, 128, bf, True, dev)  # zero points take room in every stage
+
+
+def test_misaligned_x_is_refused_by_name() -> None:
+    x = torch.zeros(1, 264, dtype=torch.bfloat16)[:, 8:]  # starts 16 bytes in: aligned
+    assert mma.aligned(x)
+    x = torch.zeros(1, 260, dtype=torch.bfloat16)[:, 4:]  # 8 bytes in
+    assert not mma.aligned(x)
+    with pytest.raises(ValueError, match="16 bytes"):
+        mma.w4a16_mma(x, torch.zeros(16, 32, dtype=torch.int32), torch.ones(2, 16).t())

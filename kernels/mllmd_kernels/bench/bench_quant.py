@@ -275,11 +275,11 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         t = time_calls(run_mma, sets)
         extra = {}
         if "w4a16_mma" in sweep:
-            cands = [mma.MmaConfig(tw, sp, wa) for tw in (8, 16) for sp in (1, 2, 4, 8) for wa in (4, 8)
-                     if wa % sp == 0 and mma.valid_config(mma.MmaConfig(tw, sp, wa), k, GROUP)]  # fmt: skip
+            cands = [mma.MmaConfig(sp, wa) for sp in (1, 2, 4, 8) for wa in (2, 4, 8)
+                     if wa % sp == 0 and mma.valid_config(mma.MmaConfig(sp, wa), k, GROUP)]  # fmt: skip
             extra = _sweep("w4a16_mma", name, m, t, cfg_mma, cands, run_mma, sets, lambda out: _rel(out, ref4))
             for v in (mma.EXACT, mma.PROBE_LOAD, mma.PROBE_COMPUTE):  # the default split, parts left out
-                c = mma.MmaConfig(cfg_mma.trip_words, cfg_mma.split, cfg_mma.warps, v)
+                c = mma.MmaConfig(cfg_mma.split, cfg_mma.warps, v)
                 tp = time_calls(lambda i, c=c: run_mma(i, c), sets)
                 emit(_line("w4a16_mma_probe", name, m, n, k, tp, None, w4_bytes, copy_gbps, variant=mma.VARIANT_NAMES[v],
                            config=c.__dict__))  # fmt: skip
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.w4a16_tuned_out, "w") as f:
             json.dump(best, f, indent=1)
         print(f"# W4A16 one-row tilings for {len(best)} shapes -> {args.w4a16_tuned_out}")
-    mma_best = {f"{dims[r['shape']]['N']},{dims[r['shape']]['K']}": list(r["best_config"].values())[:3] for r in sweeps
+    mma_best = {f"{dims[r['shape']]['N']},{dims[r['shape']]['K']}": list(r["best_config"].values())[:2] for r in sweeps
                 if r["kernel"] == "w4a16_mma" and dims[r["shape"]]["M"] == "1"} if sweeps else {}  # fmt: skip
     if mma_best:  # MLLMD_W4A16_MMA_TUNED's format
         print("# w4a16_mma best one-row configs: " + json.dumps(mma_best))

@@ -4,7 +4,8 @@
 The layer's tensors are the Triton kernel's (the packed words as stored; float32 scales and zero
 points G-major), so larger batches and prefill keep the Triton paths on the same memory. A layer whose
 shape the CUDA kernel does not take (N % 16, K % 256, a group that is not 32 / 64 / a power-of-two
-multiple of 128 columns) runs every batch on the Triton paths.
+multiple of 128 columns, a row whose staged x would not fit the GPU's shared memory) runs every batch
+on the Triton paths; so does an x whose rows do not start on 16 bytes.
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
         super().process_weights(layer)
         n, k = layer.weight_packed.shape[0], layer.in_features
         group = k // layer.weight_scale.shape[1]
-        self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype)
+        zero_point = getattr(layer, "weight_zero_point", None) is not None
+        device = layer.weight_packed.device
+        self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype) and mma.fits(
+            1, k, group, layer.params_dtype, zero_point, device
+        )
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x in the layer's dtype: so is its bias (Linear makes it so), which the kernel adds as it is
         x2 = _rows(x)
-        if self.mma_ok and x2.shape[0] <= mma.MAX_ROWS and x2.shape[0] > 0 and x2.dtype == layer.params_dtype:
+        rows = x2.shape[0]
+        if self.mma_ok and 0 < rows <= mma.MAX_ROWS and x2.dtype == layer.params_dtype and mma.aligned(x2):
             zero_point = getattr(layer, "weight_zero_point", None)
             out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
