@@ -214,9 +214,6 @@ class _Library:
         fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self.launch = fn
-        self.smem = self.lib.mllmd_w4a16_mma_smem  # (M, K, vec, warps, split, has_zero_point, bf16) -> bytes
-        self.smem.argtypes = [ctypes.c_int] * 7
-        self.smem.restype = ctypes.c_int
         self.lib.mllmd_cuda_error_string.argtypes = [ctypes.c_int]
         self.lib.mllmd_cuda_error_string.restype = ctypes.c_char_p
 
