@@ -2,9 +2,8 @@
 
 The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight; this
 kernel turns two weights into mma.sync operands with one LOP3, reading the weights as compressed-tensors
-stores them (no re-layout, so the Triton paths for larger M share the tensors). Each warp streams its
-slice of K through a private ring of shared-memory stages (cp.async, 3 stages ahead), so its loads do
-not wait on its arithmetic. One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and
+stores them (no re-layout, so the Triton paths for larger M share the tensors). Each warp walks its
+slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one. One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and
 subtracts (136 + zero point) * sum(x) per group, with x staged once per CTA already in B-fragment
 order; fp16 and several rows subtract the offset from each weight pair (one packed FMA) instead.
 
@@ -36,15 +35,14 @@ from mllmd_kernels._triton import pdl_args, sm_count_for
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
-ABI_VERSION = 7  # mllmd_w4a16_mma_abi() of a library this module can call
+ABI_VERSION = 8  # mllmd_w4a16_mma_abi() of a library this module can call
 MAX_ROWS = 8  # x rows: the MMA's 8 B columns
 MAX_WARPS = 8  # kMaxWarps in the source
-STAGE_K = 256  # columns of a ring stage (kStageCols): K must be a multiple
-STAGES = 3  # ring stages a warp at most (kStages)
+STAGE_K = 256  # columns of a warp's loop stage (kStageCols): K must be a multiple
 BUILD_TIMEOUT_S = 600
 # Warps a launch should give each SM at least (split-K until it does): enough loads in flight; and
 # stages a warp should stream at most (a long row is split even when the SMs have warps enough).
-MIN_WARPS_PER_SM = 7
+MIN_WARPS_PER_SM = 16
 MAX_STAGES_PER_WARP = 8
 
 
@@ -98,16 +96,12 @@ def offset_form(m: int, dtype: torch.dtype) -> bool:
     return m == 1 and dtype == torch.bfloat16
 
 
-def smem_bytes(m: int, k: int, vec: int, warps: int, split: int, zero_point: bool, dtype: torch.dtype) -> int:
-    """Shared memory a launch needs (mllmd_w4a16_mma_smem in the source): `warps` rings of min(STAGES,
-    a warp's stages) stages (256 columns of words, and per chunk 16 scales and 16 zero-point words;
-    the split-K partials reuse them), and in the offset form x (K halves) with its float32 sum per
-    chunk of 32 * vec columns."""
-    most = -(-(k // STAGE_K) // split)
-    slots = min(STAGES, max(1, most))
-    stage = 2048 + (8 // vec) * 64 * (2 if zero_point else 1)
+def smem_bytes(m: int, k: int, vec: int, warps: int, dtype: torch.dtype) -> int:
+    """Shared memory a launch needs (mllmd_w4a16_mma_smem in the source): the warps' split-K partials
+    (16 x 8 floats each), and in the offset form x (K halves) with its float32 sum per chunk of 32 * vec
+    columns."""
     x_bytes = 2 * k + (k // (32 * vec)) * 4 if offset_form(m, dtype) else 0
-    return warps * slots * stage + x_bytes
+    return warps * 16 * 8 * 4 + x_bytes
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,7 +120,7 @@ def pick_config(n: int, k: int, group: int, num_sms: int) -> MmaConfig:
     """CTAs of MAX_WARPS warps; K split over the fewest warps (a power of two up to 8, each warp keeping
     two stages or more) that give every SM MIN_WARPS_PER_SM warps and no warp more than
     MAX_STAGES_PER_WARP stages. On the H200's Qwen3-8B shapes these are the bench_quant sweep's picks
-    (issue 7): qkv / o split 4, gate_up 2, down 8."""
+    (issue 7): qkv / o / down split 8, gate_up 2."""
     tuned = tuned_configs().get((n, k))
     if tuned is not None and valid_config(tuned, k, group):
         return tuned
@@ -263,12 +257,12 @@ def _smem_limit(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
-def fits(m: int, k: int, group: int, dtype: torch.dtype, zero_point: bool, device: torch.device) -> bool:
+def fits(m: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:
     """A launch of up to MAX_WARPS warps for these shapes fits the device's shared memory per block
     (the offset form stages x, which grows with K: a very long row, or a GPU with less shared memory,
     keeps the Triton kernels)."""
     layout = mma_layout(k, group)
-    return layout is not None and smem_bytes(m, k, layout[0], MAX_WARPS, 1, zero_point, dtype) <= _smem_limit(device.index or 0)
+    return layout is not None and smem_bytes(m, k, layout[0], MAX_WARPS, dtype) <= _smem_limit(device.index or 0)
 
 
 def aligned(x: torch.Tensor) -> bool:
@@ -324,7 +318,7 @@ def w4a16_mma(
     cfg = config or pick_config(n, k, group, sm_count_for(x))
     if not valid_config(cfg, k, group):
         raise ValueError(f"w4a16_mma: {cfg} does not fit K={k} group={group}")
-    smem = smem_bytes(m, k, vec, cfg.warps, cfg.split, w_zero_point is not None, x.dtype)
+    smem = smem_bytes(m, k, vec, cfg.warps, x.dtype)
     if smem > _smem_limit(x.device.index or 0):
         raise ValueError(f"w4a16_mma: {cfg} at K={k} needs {smem} bytes of shared memory a block, more than the GPU has")
     if cfg.variant != EXACT and (x.dtype != torch.bfloat16 or layout[0] != 4 or w_zero_point is not None):

@@ -37,7 +37,7 @@ def _fresh_library_cache():
         (4096, 96, None),  # three 32-column chunks a group: not a power of two
         (4096, 384, None),
         (4096, 16, None),  # a chunk would span groups
-        (4000, 4000, None),  # K not a multiple of 256 (a ring stage)
+        (4000, 4000, None),  # K not a multiple of 256 (a loop stage)
         (4224, 128, None),
     ],
 )
@@ -167,22 +167,21 @@ def test_source_compiles_without_spills(arch: str, tmp_path: Path) -> None:
     assert len(spills) == 22 and all(int(s) == 0 for s in spills), proc.stderr[-3000:]
     assert os.access(out, os.R_OK)
     smem = ctypes.CDLL(str(out)).mllmd_w4a16_mma_smem  # loads without a GPU (the CUDA runtime is static)
-    smem.argtypes, smem.restype = [ctypes.c_int] * 7, ctypes.c_int
-    for m, k, vec, (warps, split), zp, dtype in itertools.product(
-        (1, 3), (256, 768, 4096, 12288), (4, 2, 1), ((1, 1), (4, 2), (8, 8), (6, 3)), (False, True),
-        (torch.bfloat16, torch.float16),
+    smem.argtypes, smem.restype = [ctypes.c_int] * 5, ctypes.c_int
+    for m, k, vec, warps, dtype in itertools.product(
+        (1, 3), (256, 768, 4096, 12288), (4, 2, 1), (1, 4, 6, 8), (torch.bfloat16, torch.float16)
     ):
-        want = smem(m, k, vec, warps, split, int(zp), int(dtype == torch.bfloat16))
-        assert mma.smem_bytes(m, k, vec, warps, split, zp, dtype) == want, (m, k, vec, warps, split, zp, dtype)
+        want = smem(m, k, vec, warps, int(dtype == torch.bfloat16))
+        assert mma.smem_bytes(m, k, vec, warps, dtype) == want, (m, k, vec, warps, dtype)
 
 
 def test_default_launch_splits_are_the_measured_ones() -> None:
-    """On an H200 (132 SMs) the Qwen3-8B shapes get the launches the bench_quant sweep picked there (issue 7;
-    qkv's (4, 4) and (4, 8) were within 0.5%): qkv / o split 4, gate_up 2, down 8, CTAs of 8 warps; every
-    pick is a valid launch, also on an Orin's 16 SMs (where the rows' length sets the split)."""
+    """On an H200 (132 SMs) the Qwen3-8B shapes get the launches the bench_quant sweep picked there (issue 7):
+    qkv / o / down split 8, gate_up 2, CTAs of 8 warps; every pick is a valid launch, also on an Orin's 16
+    SMs (where the rows' length sets the split)."""
     shapes = [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)]
     picks = {shape: mma.pick_config(*shape, 128, 132) for shape in shapes}
-    assert [(c.split, c.warps) for c in picks.values()] == [(4, 8), (4, 8), (2, 8), (8, 8)]
+    assert [(c.split, c.warps) for c in picks.values()] == [(8, 8), (8, 8), (2, 8), (8, 8)]
     assert [mma.pick_config(*shape, 128, 16).split for shape in shapes] == [2, 2, 2, 8]
     for (n, k), _ in picks.items():
         for sms in (16, 132):
@@ -199,28 +198,28 @@ def test_tuned_launch_splits_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     mma.tuned_configs.cache_clear()
     try:
         assert mma.pick_config(6144, 4096, 128, 132) == mma.MmaConfig(4, 4)
-        assert mma.pick_config(4096, 4096, 64, 132) == mma.MmaConfig(4, 8)  # not a launch: the default
+        assert mma.pick_config(4096, 4096, 64, 132) == mma.MmaConfig(8, 8)  # not a launch: the default
         assert mma.pick_config(24576, 4096, 128, 132) == mma.MmaConfig(2, 8)  # not named: the default
     finally:
         mma.tuned_configs.cache_clear()
 
 
 def test_offset_form_and_shared_memory_fit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One bf16 row stages x (2 bytes a column) in shared memory; where that would not fit the GPU's
-    shared memory per block the layer keeps the Triton kernels (fits), and a launch is refused by name."""
+    """One bf16 row stages x (2 bytes a column, and a float32 sum a chunk) in shared memory; where that
+    would not fit the GPU's shared memory per block the layer keeps the Triton kernels (fits)."""
     bf, fp = torch.bfloat16, torch.float16
     assert mma.offset_form(1, bf) and not mma.offset_form(2, bf) and not mma.offset_form(1, fp)
-    base = mma.smem_bytes(2, 12288, 4, 8, 1, False, bf)
-    assert mma.smem_bytes(1, 12288, 4, 8, 1, False, bf) == base + 2 * 12288 + (12288 // 128) * 4
-    assert mma.smem_bytes(1, 12288, 4, 8, 1, False, fp) == base
-    # a ring holds min(3, a warp's 256-column stages) stages: 4096 columns split 8 ways is 2 stages
-    assert mma.smem_bytes(2, 4096, 4, 8, 8, False, bf) == 8 * 2 * (2048 + 2 * 64)
-    monkeypatch.setattr(mma, "_smem_limit", lambda index: mma.smem_bytes(1, 12288, 4, 8, 1, False, bf))
+    base = mma.smem_bytes(2, 12288, 4, 8, bf)
+    assert base == 8 * 16 * 8 * 4  # the split-K partials only
+    assert mma.smem_bytes(1, 12288, 4, 8, bf) == base + 2 * 12288 + (12288 // 128) * 4
+    assert mma.smem_bytes(1, 12288, 4, 8, fp) == base
+    assert mma.smem_bytes(1, 12288, 1, 8, bf) == base + 2 * 12288 + (12288 // 32) * 4  # a sum every 32 columns
+    monkeypatch.setattr(mma, "_smem_limit", lambda index: mma.smem_bytes(1, 12288, 4, 8, bf))
     dev = torch.device("cuda", 0)
-    assert mma.fits(1, 12288, 128, bf, False, dev)
-    assert not mma.fits(1, 16384, 128, bf, False, dev)  # a longer row's x does not fit
-    assert mma.fits(2, 16384, 128, bf, False, dev)  # several rows stage no x
-    assert not mma.fits(1, 12288, 128, bf, True, dev)  # zero points take room in every stage
+    assert mma.fits(1, 12288, 128, bf, dev)
+    assert not mma.fits(1, 16384, 128, bf, dev)  # a longer row's x does not fit
+    assert mma.fits(2, 16384, 128, bf, dev)  # several rows stage no x
+    assert not mma.fits(1, 12288, 32, bf, dev)  # nor do the sums of 32-column chunks
 
 
 def test_misaligned_x_is_refused_by_name() -> None:

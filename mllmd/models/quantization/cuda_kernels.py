@@ -35,11 +35,8 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
         super().process_weights(layer)
         n, k = layer.weight_packed.shape[0], layer.in_features
         group = k // layer.weight_scale.shape[1]
-        zero_point = getattr(layer, "weight_zero_point", None) is not None
         device = layer.weight_packed.device
-        self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype) and mma.fits(
-            1, k, group, layer.params_dtype, zero_point, device
-        )
+        self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype) and mma.fits(1, k, group, layer.params_dtype, device)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x in the layer's dtype: so is its bias (Linear makes it so), which the kernel adds as it is
