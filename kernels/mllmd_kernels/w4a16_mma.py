@@ -3,9 +3,10 @@
 The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight; this
 kernel turns two weights into mma.sync operands with one LOP3, reading the weights as compressed-tensors
 stores them (no re-layout, so the Triton paths for larger M share the tensors). Each warp walks its
-slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one. One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and
-subtracts (136 + zero point) * sum(x) per group, with x staged once per CTA already in B-fragment
-order; fp16 and several rows subtract the offset from each weight pair (one packed FMA) instead.
+slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one.
+One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and subtracts (136 + zero
+point) * sum(x) per group, with x staged once per CTA already in B-fragment order; fp16 and several
+rows subtract the offset from each weight pair (one packed FMA) instead.
 
 It is an optional accelerator: the source is compiled once per GPU architecture with the CUDA
 toolkit's `nvcc` into a shared library (no PyTorch headers; loaded with ctypes, launched on the
