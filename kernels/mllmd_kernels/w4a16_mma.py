@@ -6,7 +6,9 @@ stores them (no re-layout, so the Triton paths for larger M share the tensors). 
 slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one.
 One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and subtracts (136 + zero
 point) * sum(x) per group, with x staged once per CTA already in B-fragment order; fp16 and several
-rows subtract the offset from each weight pair (one packed FMA) instead.
+rows subtract the offset from each weight pair (one packed FMA) instead. For one bf16 row the launch
+can also apply the RMSNorm before the layer and silu(gate) * up after a gate/up layer (`NormInput`,
+`silu=True`): the decode step then runs no rmsnorm or silu_and_mul kernel beside it.
 
 It is an optional accelerator: the source is compiled once per GPU architecture with the CUDA
 toolkit's `nvcc` into a shared library (no PyTorch headers; loaded with ctypes, launched on the
@@ -36,7 +38,7 @@ from mllmd_kernels._triton import pdl_args, sm_count_for
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
-ABI_VERSION = 8  # mllmd_w4a16_mma_abi() of a library this module can call
+ABI_VERSION = 9  # mllmd_w4a16_mma_abi() of a library this module can call
 MAX_ROWS = 8  # x rows: the MMA's 8 B columns
 MAX_WARPS = 8  # kMaxWarps in the source
 STAGE_K = 256  # columns of a warp's loop stage (kStageCols): K must be a multiple
@@ -63,6 +65,18 @@ class MmaConfig:
     variant: int = EXACT
 
 
+@dataclass
+class NormInput:
+    """x is the input of an RMSNorm (Hugging Face Qwen3 rounding, as mllmd_kernels.rmsnorm) that the
+    launch applies before the product: norm(x + residual) with `residual`, whose sum x + residual the
+    launch writes to `residual_out` (a tensor of its own: not x or residual)."""
+
+    weight: torch.Tensor  # [K] bf16, contiguous
+    eps: float
+    residual: torch.Tensor | None = None  # [1, K] bf16
+    residual_out: torch.Tensor | None = None  # [1, K] bf16, written
+
+
 def mma_layout(k: int, group: int) -> tuple[int, int] | None:
     """(vec, gshift) for K columns in groups of `group` (group >= k: channel-wise), or None where the
     kernel cannot run them: each lane loads `vec` words a row (a chunk of 32 * vec columns must lie in
@@ -86,8 +100,22 @@ def supports(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
     return 1 <= m <= MAX_ROWS and n % 16 == 0 and dtype in (torch.bfloat16, torch.float16) and mma_layout(k, group) is not None
 
 
-def valid_config(cfg: MmaConfig, k: int, group: int) -> bool:
-    return mma_layout(k, group) is not None and 1 <= cfg.warps <= MAX_WARPS and cfg.split >= 1 and cfg.warps % cfg.split == 0
+def valid_config(cfg: MmaConfig, k: int, group: int, silu: bool = False) -> bool:
+    """cfg divides the launch: warps a multiple of split (and with silu, tiles a CTA in pairs)."""
+    ok = mma_layout(k, group) is not None and 1 <= cfg.warps <= MAX_WARPS and cfg.split >= 1 and cfg.warps % cfg.split == 0
+    return ok and (not silu or (cfg.warps // cfg.split) % 2 == 0)
+
+
+def norm_fusable(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """The launch can apply this RMSNorm to x itself: one bf16 row (the offset form stages it), a bf16
+    weight of K, and rows on 16 bytes."""
+    k = x.shape[-1]
+    return (
+        x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16 and x.stride(1) == 1 and _aligned(x, 16)
+        and weight.dtype == torch.bfloat16 and weight.is_contiguous() and weight.numel() == k and _aligned(weight, 16)
+        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+                                  and _aligned(residual, 16)))
+    )  # fmt: skip
 
 
 def offset_form(m: int, dtype: torch.dtype) -> bool:
@@ -117,13 +145,14 @@ def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
     return {tuple(int(v) for v in key.split(",")): MmaConfig(*fields[:2]) for key, fields in raw.items()}  # type: ignore[misc]
 
 
-def pick_config(n: int, k: int, group: int, num_sms: int) -> MmaConfig:
+def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False) -> MmaConfig:
     """CTAs of MAX_WARPS warps; K split over the fewest warps (a power of two up to 8, each warp keeping
     two stages or more) that give every SM MIN_WARPS_PER_SM warps and no warp more than
     MAX_STAGES_PER_WARP stages. On the H200's Qwen3-8B shapes these are the bench_quant sweep's picks
-    (issue 7): qkv / o / down split 8, gate_up 2."""
+    (issue 7): qkv / o / down split 8, gate_up 2. With silu a CTA holds its tiles in pairs (split at most
+    warps / 2)."""
     tuned = tuned_configs().get((n, k))
-    if tuned is not None and valid_config(tuned, k, group):
+    if tuned is not None and valid_config(tuned, k, group, silu):
         return tuned
     tiles, stages = n // 16, k // STAGE_K
     split = 1
@@ -133,6 +162,8 @@ def pick_config(n: int, k: int, group: int, num_sms: int) -> MmaConfig:
         and (tiles * split < MIN_WARPS_PER_SM * num_sms or stages > MAX_STAGES_PER_WARP * split)
     ):
         split *= 2
+    if silu:
+        split = min(split, MAX_WARPS // 2)
     return MmaConfig(split, MAX_WARPS)
 
 
@@ -206,7 +237,9 @@ class _Library:
         if self.lib.mllmd_w4a16_mma_abi() != ABI_VERSION:
             raise RuntimeError(f"{path}: ABI {self.lib.mllmd_w4a16_mma_abi()}, expected {ABI_VERSION}")
         fn = self.lib.mllmd_w4a16_mma
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p]
+        fn.argtypes = (
+            [ctypes.c_void_p] * 6 + [ctypes.c_int] * 13 + [ctypes.c_void_p] * 3 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
+        )
         fn.restype = ctypes.c_int
         self.launch = fn
         self.lib.mllmd_cuda_error_string.argtypes = [ctypes.c_int]
@@ -282,11 +315,17 @@ def w4a16_mma(
     w_scale: torch.Tensor,  # [N, G] float32 stored G-major: strides (1, N) (or [N, 1])
     w_zero_point: torch.Tensor | None = None,  # [N, G] int8, G-major like w_scale
     bias: torch.Tensor | None = None,  # [N] x.dtype, contiguous
-    out: torch.Tensor | None = None,  # [M, N] x.dtype, unit last stride
+    out: torch.Tensor | None = None,  # [M, N] (silu: [M, N / 2]) x.dtype, unit last stride
     config: MmaConfig | None = None,
+    norm: NormInput | None = None,
+    silu: bool = False,
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) on the tensor cores; callers check `supports` and
-    `unavailable_reason` first. Float32 sums; each group's sum is scaled once."""
+    `unavailable_reason` first. Float32 sums; each group's sum is scaled once.
+
+    Fusions, for one bf16 row (the offset form): `norm` makes x the input of that RMSNorm
+    (`norm_fusable`), and `silu` returns silu(y[:, :N / 2]) * y[:, N / 2:] (a gate/up layer), each
+    rounded as the separate kernels round."""
     m, k = x.shape
     n, kw = w_packed.shape
     groups = w_scale.shape[1]
@@ -309,28 +348,46 @@ def w4a16_mma(
         raise ValueError(f"w4a16_mma needs x rows on 16 bytes and weight rows on {4 * vec} bytes")
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != n):
         raise ValueError("w4a16_mma needs a contiguous bias [N] in x's dtype")
+    if silu and n % 32:
+        raise ValueError(f"w4a16_mma: silu needs N a multiple of 32 (two halves of 16-row tiles), got {n}")
+    if silu and not offset_form(m, x.dtype):
+        raise ValueError(f"w4a16_mma: silu is fused for one bf16 row only, got {m} rows of {x.dtype}")
+    residual = residual_out = None
+    if norm is not None:
+        if not norm_fusable(x, norm.weight, norm.residual):
+            raise ValueError("w4a16_mma: a fused RMSNorm needs one bf16 row on 16 bytes and a contiguous bf16 weight of K")
+        residual, residual_out = norm.residual, norm.residual_out
+        if residual is not None:
+            if residual_out is None:
+                residual_out = norm.residual_out = torch.empty_like(x)
+            if (residual_out.shape != x.shape or residual_out.dtype != x.dtype or not _aligned(residual_out, 16)
+                    or residual_out.data_ptr() in (x.data_ptr(), residual.data_ptr())):  # fmt: skip
+                raise ValueError("w4a16_mma: residual_out must be a [1, K] bf16 tensor of its own, on 16 bytes")
+    n_out = n // 2 if silu else n
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if out.shape != (m, n) or out.stride(1) != 1 or out.dtype != x.dtype:
-        raise ValueError("w4a16_mma: out must be [M, N] in x's dtype with a unit last stride")
+        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if out.shape != (m, n_out) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"w4a16_mma: out must be [M, {'N / 2' if silu else 'N'}] in x's dtype with a unit last stride")
     lib = _library_for(_arch(x.device))
     if lib is None:
         raise RuntimeError(f"w4a16_mma is unavailable: {unavailable_reason(x.device)}")
-    cfg = config or pick_config(n, k, group, sm_count_for(x))
-    if not valid_config(cfg, k, group):
-        raise ValueError(f"w4a16_mma: {cfg} does not fit K={k} group={group}")
+    cfg = config or pick_config(n, k, group, sm_count_for(x), silu)
+    if not valid_config(cfg, k, group, silu):
+        raise ValueError(f"w4a16_mma: {cfg} does not fit K={k} group={group}" + (" with silu" if silu else ""))
     smem = smem_bytes(m, k, vec, cfg.warps, x.dtype)
     if smem > _smem_limit(x.device.index or 0):
         raise ValueError(f"w4a16_mma: {cfg} at K={k} needs {smem} bytes of shared memory a block, more than the GPU has")
     if cfg.variant != EXACT and (x.dtype != torch.bfloat16 or layout[0] != 4 or w_zero_point is not None):
         raise ValueError("w4a16_mma: the probes are built for bf16, groups of 128+ columns, symmetric only")
     use_pdl = 1 if pdl_args(x).get("USE_PDL") else 0
+    ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     err = lib.launch(
-        x.data_ptr(), w_packed.data_ptr(), w_scale.data_ptr(),
-        w_zero_point.data_ptr() if w_zero_point is not None else None,
-        bias.data_ptr() if bias is not None else None, out.data_ptr(),
+        x.data_ptr(), w_packed.data_ptr(), w_scale.data_ptr(), ptr(w_zero_point), ptr(bias), out.data_ptr(),
         m, n, k, w_packed.stride(0), x.stride(0), out.stride(0), vec, gshift, cfg.split,
-        cfg.warps, cfg.variant, 1 if x.dtype == torch.bfloat16 else 0, use_pdl, torch.cuda.current_stream(x.device).cuda_stream,
+        cfg.warps, cfg.variant, 1 if x.dtype == torch.bfloat16 else 0, use_pdl,
+        ptr(residual), ptr(norm.weight) if norm is not None else None, ptr(residual_out),
+        float(norm.eps) if norm is not None else 0.0, 1 if silu else 0,
+        torch.cuda.current_stream(x.device).cuda_stream,
     )  # fmt: skip
     if err:
         raise RuntimeError(f"w4a16_mma launch failed: {lib.error(err)}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mllmd_kernels import pdl_launches, w4a16_gemm, w4a16_gemm_ref
+from mllmd_kernels import pdl_launches, rmsnorm, rmsnorm_ref, silu_and_mul, w4a16_gemm, w4a16_gemm_ref
 from mllmd_kernels import w4a16_mma as mma
 from mllmd_kernels.testing import DTYPES, poisoned, randn, rel_err
 
@@ -63,9 +63,9 @@ def test_w4a16_mma_matches_float32_reference(
 @pytest.mark.parametrize(("m", "group", "asym"), [(3, 128, True), (1, 128, True), (1, None, False), (1, 256, True)])
 def test_w4a16_mma_every_launch_config(split: int, warps: int, m: int, group: int | None, asym: bool) -> None:
     """Each way of dividing the work gives the same sums: tiles per CTA (an N that leaves the last CTA
-    a tile short), K split over warps (unevenly: 3 parts of 16 stages), in both forms (one bf16 row
-    subtracts the offset per group: a split inside a channel-wise or 256-column group subtracts it
-    over the part's columns only)."""
+    a tile short), K split over warps (unevenly: 3 parts of 16 stages; 8 parts of 2, both loaded before
+    the PDL wait), in both forms (one bf16 row subtracts the offset per group: a split inside a
+    channel-wise or 256-column group subtracts it over the part's columns only)."""
     n, k = 16 * 37, 4096
     g = torch.Generator().manual_seed(split * 10 + warps + m)
     packed, scale, zp = make_weights(n, k, group, asym, g)
@@ -147,3 +147,90 @@ def test_w4a16_mma_in_a_cuda_graph_with_pdl() -> None:
         torch.cuda.synchronize()
         eager = mma.w4a16_mma(src * 2.0, packed, scale)
         assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize(("n", "k", "group", "asym"), [(6144, 4096, 128, False), (96, 2560, 128, True), (48, 1024, None, False)])
+def test_w4a16_mma_applies_the_rmsnorm_before_it(n: int, k: int, group: int | None, asym: bool, with_residual: bool) -> None:
+    """norm=: the launch takes RMSNorm's input (x + residual, whose rounded sum one CTA writes to
+    residual_out, bit for bit torch's), normalizes it as mllmd_kernels.rmsnorm does, and multiplies: the
+    product of the reference norm within the output's rounding, and close to the Triton rmsnorm then the
+    unfused kernel. K = 2,560 leaves the CTA's threads unequal shares of x."""
+    g = torch.Generator().manual_seed(n + k + with_residual)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    x = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g) * 3
+    residual = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g) if with_residual else None
+    weight = (1 + 0.2 * randn(k, dtype=torch.float32, device=DEVICE, gen=g)).to(torch.bfloat16)
+    norm = mma.NormInput(weight, 1e-6, residual, poisoned((1, k), torch.bfloat16, DEVICE) if with_residual else None)
+    out = mma.w4a16_mma(x, packed, scale, zp, norm=norm)
+    ref_in = rmsnorm_ref(x, weight, 1e-6, residual)
+    normed = ref_in[0] if with_residual else ref_in
+    if with_residual:
+        assert torch.equal(norm.residual_out, x + residual)
+    ref = w4a16_gemm_ref(normed.float(), packed, scale, zp)
+    assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16]
+    apart = mma.w4a16_mma(rmsnorm(x, weight, 1e-6, residual)[0] if with_residual else rmsnorm(x, weight, 1e-6), packed, scale, zp)
+    assert rel_err(out, apart) < 1e-3
+
+
+@pytest.mark.parametrize(("split", "warps"), [(None, None), (1, 8), (2, 4)])
+@pytest.mark.parametrize(
+    ("n", "k", "group", "asym", "bias"),
+    [(2 * 16 * 37, 1024, 128, True, True), (24576, 4096, 128, False, False), (1024, 2048, 32, False, False)],
+)
+def test_w4a16_mma_applies_silu_and_mul_after_it(
+    n: int, k: int, group: int | None, asym: bool, bias: bool, split: int | None, warps: int | None
+) -> None:
+    """silu=True on a gate/up layer (one bf16 row): y [1, N / 2] = silu(gate) * up, as the unfused
+    kernel followed by silu_and_mul computes it, for CTAs of 2, 4 and 8 tiles (the last CTA holding
+    fewer gate/up pairs than the others)."""
+    m = 1
+    config = mma.MmaConfig(split, warps) if split is not None else None
+    g = torch.Generator().manual_seed(n + m)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    b = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g) if bias else None
+    out = poisoned((m, n // 2), torch.bfloat16, DEVICE)
+    mma.w4a16_mma(x, packed, scale, zp, b, out=out, silu=True, config=config)
+    apart = silu_and_mul(mma.w4a16_mma(x, packed, scale, zp, b))
+    full = w4a16_gemm_ref(x.float(), packed, scale, zp, b.float() if bias else None)
+    ref = torch.nn.functional.silu(full[:, : n // 2]) * full[:, n // 2 :]
+    assert not out.isnan().any()
+    assert rel_err(out, apart) < 1e-3
+    assert rel_err(out, ref) < 5e-3
+
+
+def test_w4a16_mma_norm_and_silu_in_one_launch() -> None:
+    """Both fusions together (the post-attention norm into gate/up): as rmsnorm, the kernel, silu_and_mul."""
+    n, k = 2048, 1024
+    g = torch.Generator().manual_seed(23)
+    packed, scale, _ = make_weights(n, k, 128, False, g)
+    x, residual = (randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g) for _ in range(2))
+    weight = torch.ones(k, dtype=torch.bfloat16, device=DEVICE)
+    norm = mma.NormInput(weight, 1e-6, residual)
+    out = mma.w4a16_mma(x, packed, scale, norm=norm, silu=True)
+    normed, res = rmsnorm(x, weight, 1e-6, residual)
+    apart = silu_and_mul(mma.w4a16_mma(normed, packed, scale))
+    assert torch.equal(norm.residual_out, res)
+    assert out.shape == (1, n // 2) and rel_err(out, apart) < 1e-3
+
+
+def test_w4a16_mma_refuses_fusions_it_cannot_run() -> None:
+    """Each refusal names what is wrong: the norm or silu for several rows, residual_out aliasing the
+    norm's input, silu with an odd N / 16 or a CTA of unpaired tiles."""
+    g = torch.Generator().manual_seed(2)
+    packed, scale, _ = make_weights(64, 512, 128, False, g)
+    weight = torch.ones(512, dtype=torch.bfloat16, device=DEVICE)
+    x2 = randn(2, 512, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    with pytest.raises(ValueError, match="one bf16 row"):
+        mma.w4a16_mma(x2, packed, scale, norm=mma.NormInput(weight, 1e-6))
+    with pytest.raises(ValueError, match="one bf16 row"):
+        mma.w4a16_mma(x2, packed, scale, silu=True)
+    x, r = x2[:1].clone(), x2[1:].clone()
+    with pytest.raises(ValueError, match="residual_out"):
+        mma.w4a16_mma(x, packed, scale, norm=mma.NormInput(weight, 1e-6, r, r))
+    odd_packed, odd_scale, _ = make_weights(48, 512, 128, False, g)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mma.w4a16_mma(x, odd_packed, odd_scale, silu=True)
+    with pytest.raises(ValueError, match="with silu"):
+        mma.w4a16_mma(x, packed, scale, silu=True, config=mma.MmaConfig(8, 8))

@@ -162,9 +162,10 @@ def test_source_compiles_without_spills(arch: str, tmp_path: Path) -> None:
     assert out.stat().st_size > 0
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)
     spills = re.findall(r"(\d+) bytes spill stores", proc.stderr)
-    # exact: bf16 (3 vectors x zero points or not x offset form or not) + fp16 (3 x 2); probes: 2 x 2
-    assert len(kernels) == 22, proc.stderr[-3000:]
-    assert len(spills) == 22 and all(int(s) == 0 for s in spills), proc.stderr[-3000:]
+    # exact: bf16 (3 vectors x zero points or not x offset form or not) + fp16 (3 x 2); the fused
+    # offset form (3 x 2); probes: 2 x 2
+    assert len(kernels) == 28, proc.stderr[-3000:]
+    assert len(spills) == 28 and all(int(s) == 0 for s in spills), proc.stderr[-3000:]
     assert os.access(out, os.R_OK)
     smem = ctypes.CDLL(str(out)).mllmd_w4a16_mma_smem  # loads without a GPU (the CUDA runtime is static)
     smem.argtypes, smem.restype = [ctypes.c_int] * 5, ctypes.c_int
@@ -187,6 +188,20 @@ def test_default_launch_splits_are_the_measured_ones() -> None:
         for sms in (16, 132):
             for group in (32, 64, 128, k):
                 assert mma.valid_config(mma.pick_config(n, k, group, sms), k, group)
+
+
+def test_silu_launches_hold_gate_and_up_tiles_in_pairs() -> None:
+    """With silu a CTA must hold an even number of tiles (gate tile i with up tile i): the pick keeps
+    gate_up's split of 2 on the H200, halves a split that would leave one tile a CTA, and a launch of one
+    tile a CTA is not valid for silu."""
+    assert mma.pick_config(24576, 4096, 128, 132, silu=True) == mma.MmaConfig(2, 8)
+    assert mma.pick_config(1024, 4096, 128, 132).split == 8
+    assert mma.pick_config(1024, 4096, 128, 132, silu=True).split == 4
+    assert not mma.valid_config(mma.MmaConfig(8, 8), 4096, 128, silu=True)
+    assert mma.valid_config(mma.MmaConfig(8, 8), 4096, 128)
+    for n, k in ((24576, 4096), (1024, 256), (6144, 12288)):
+        for sms in (16, 132):
+            assert mma.valid_config(mma.pick_config(n, k, 128, sms, silu=True), k, 128, silu=True)
 
 
 def test_tuned_launch_splits_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -62,6 +62,7 @@ from mllmd_kernels.int8_gemm import (
 )
 from mllmd_kernels.int8_gemm_tma import TMA_MODES, tma_supported
 from mllmd_kernels.int8_quant import int8_quant
+from mllmd_kernels.rmsnorm import rmsnorm
 from mllmd_kernels.w4a16_gemm import (
     W4A16Config,
     pick_w4a16_config,
@@ -273,7 +274,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         cfg_mma = mma.pick_config(n, k, GROUP, sms)
         err = _rel(run_mma(0), ref4)
         t = time_calls(run_mma, sets)
-        extra = {}
+        extra: dict[str, Any] = {}
         if "w4a16_mma" in sweep:
             cands = [mma.MmaConfig(sp, wa) for sp in (1, 2, 4, 8) for wa in (2, 4, 8)
                      if wa % sp == 0 and mma.valid_config(mma.MmaConfig(sp, wa), k, GROUP)]  # fmt: skip
@@ -285,6 +286,8 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
                            config=c.__dict__))  # fmt: skip
         emit(_line("w4a16_mma", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP,
                    config=cfg_mma.__dict__, **extra))  # fmt: skip
+        if m == 1 and name in ("qkv", "gate_up"):
+            _w4a16_mma_fusions(name, n, k, xs, w4, s4, sets, copy_gbps, w4_bytes)
     if m > 64:  # dequantize + cuBLAS (what TritonW4A16Kernel runs from DEQUANT_MIN_ROWS rows on), to compare
 
         def dq4(i: int) -> torch.Tensor:
@@ -293,6 +296,30 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         err = _rel(dq4(0), w4a16_gemm_ref(xs[0], w4[0], s4[0]))
         t = time_calls(dq4, sets)
         emit(_line("w4a16_dequant_cublas", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP))
+
+
+def _w4a16_mma_fusions(name: str, n: int, k: int, xs: list[torch.Tensor], w4: list[torch.Tensor],
+                       s4: list[torch.Tensor], sets: int, copy_gbps: float, w4_bytes: int) -> None:  # fmt: skip
+    """One row: the layer's RMSNorm (and on gate/up silu(gate) * up) in the w4a16_mma launch, against
+    the separate rmsnorm / silu_and_mul launches the model runs without the fusions."""
+    g = torch.Generator(device=DEVICE).manual_seed(k)
+    res = [torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(sets)]
+    weight = torch.rand(k, device=DEVICE, generator=g).to(torch.bfloat16) + 0.5
+    silu = name == "gate_up"
+    w4n, s4n = len(w4), len(s4)
+
+    def fused(i: int) -> torch.Tensor:
+        norm = mma.NormInput(weight, 1e-6, res[i])
+        return mma.w4a16_mma(xs[i], w4[i % w4n], s4[i % s4n], norm=norm, silu=silu)
+
+    def apart(i: int) -> torch.Tensor:
+        normed, _ = rmsnorm(xs[i], weight, 1e-6, res[i])
+        out = mma.w4a16_mma(normed, w4[i % w4n], s4[i % s4n])
+        return silu_and_mul(out) if silu else out
+
+    t_fused, t_apart = time_calls(fused, sets), time_calls(apart, sets)
+    emit(_line("w4a16_mma_fused", name, 1, n, k, t_fused, None, w4_bytes, copy_gbps, us_apart=round(t_apart, 2),
+               fused="rmsnorm + silu_and_mul" if silu else "rmsnorm"))  # fmt: skip
 
 
 # The one-row gemv's limit, probed (bench only): each tiling as it runs, with `load_only` (the same

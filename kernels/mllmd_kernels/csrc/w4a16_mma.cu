@@ -34,6 +34,12 @@
 // and the product of sums is float32).
 //
 // x's rows are the B operand's 8 columns (M <= 8); with M = 1 every column holds x.
+//
+// Fusions (one bf16 row: batch-1 decode; kernels of their own, so that the others keep their code and
+// registers): the RMSNorm before the layer (x + residual, its mean square reduced in the CTA, normed as
+// mllmd_kernels.rmsnorm rounds, as x is staged; block 0 writes the residual sum), and silu(gate) * up
+// after a gate/up layer (a CTA holds gate tile i with up tile i; the epilogue rounds as silu_and_mul).
+// Every CTA norms the whole row itself: no kernel between, no grid-wide sync.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -303,21 +309,97 @@ __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st
   }
 }
 
-template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT>
+// x + r for 8 bf16 each, rounded to bf16 (torch's x + residual).
+__device__ __forceinline__ uint4 add_bf16x8(uint4 a, uint4 b) {
+  const uint32_t wa[4] = {a.x, a.y, a.z, a.w}, wb[4] = {b.x, b.y, b.z, b.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(wa[i] << 16) + __uint_as_float(wb[i] << 16);
+    const float hi = __uint_as_float(wa[i] & 0xFFFF0000u) + __uint_as_float(wb[i] & 0xFFFF0000u);
+    o[i] = static_cast<uint32_t>(to_half_bits<true>(lo)) | (static_cast<uint32_t>(to_half_bits<true>(hi)) << 16);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+__device__ __forceinline__ float sumsq8_bf16(uint4 v) {  // fixed order: deterministic
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xFFFF0000u);
+    s = fmaf(lo, lo, s);
+    s = fmaf(hi, hi, s);
+  }
+  return s;
+}
+
+// RMSNorm of 8 bf16 with Hugging Face Qwen3's rounding (mllmd_kernels.rmsnorm): y = bf16(s * rinv),
+// then bf16(weight * y).
+__device__ __forceinline__ uint4 norm_bf16x8(uint4 v, uint4 wt, float rinv) {
+  const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {wt.x, wt.y, wt.z, wt.w};
+  uint32_t o[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float ylo = from_half_bits<true>(to_half_bits<true>(__uint_as_float(a[i] << 16) * rinv));
+    const float yhi = from_half_bits<true>(to_half_bits<true>(__uint_as_float(a[i] & 0xFFFF0000u) * rinv));
+    const uint16_t lo = to_half_bits<true>(__uint_as_float(b[i] << 16) * ylo);
+    const uint16_t hi = to_half_bits<true>(__uint_as_float(b[i] & 0xFFFF0000u) * yhi);
+    o[i] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+__device__ __forceinline__ uint4 load_const(const uint16_t* p) {  // no kernel writes it (a norm's weight)
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+// silu(g) * u with the rounding of mllmd_kernels.silu_and_mul: g and u as the layer's output dtype, each
+// product rounded to it.
+template <bool BF16>
+__device__ __forceinline__ uint16_t silu_mul(float g, float u) {
+  g = from_half_bits<BF16>(to_half_bits<BF16>(g));
+  u = from_half_bits<BF16>(to_half_bits<BF16>(u));
+  const float s = from_half_bits<BF16>(to_half_bits<BF16>(g / (1.0f + __expf(-g))));
+  return to_half_bits<BF16>(s * u);
+}
+
+// Optional fusions (null / 0: off).
+struct Fuse {
+  // RMSNorm before the product (one bf16 row, SUMX): x is the norm's input; with `residual`, the
+  // norm's input is x + residual (rounded), which block 0 writes to `residual_out`.
+  const uint16_t* residual;
+  const uint16_t* norm_weight;
+  uint16_t* residual_out;
+  float eps;
+  // silu(first half of the rows) * second half: y is [1, N / 2]; a CTA holds gate and up tiles in pairs.
+  int silu;
+};
+
+template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
     const uint16_t* __restrict__ x, const uint32_t* __restrict__ w, const float* __restrict__ scale,
     const int8_t* __restrict__ zero_point, const uint16_t* __restrict__ bias, uint16_t* __restrict__ y, int M,
-    int N, int K, int stride_wn, int stride_xm, int stride_ym, int gshift, int split) {
+    int N, int K, int stride_wn, int stride_xm, int stride_ym, int gshift, int split, Fuse fuse) {
+  static_assert(!FUSE || (SUMX && BF16), "the fusions are built for one bf16 row (the offset form)");
   extern __shared__ __align__(16) unsigned char smem[];
   // [split-K partials: warps x 16 x 8 floats][SUMX: x (K halves), its sums a chunk]
   float(*partial)[16][8] = reinterpret_cast<float(*)[16][8]>(smem);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int r = lane >> 2, t = lane & 3;
-  const int tiles_per_cta = warps / split;
-  const int tile = blockIdx.x * tiles_per_cta + warp / split, part = warp % split;
+  const int tiles_per_cta = warps / split, local = warp / split, part = warp % split;
+  int tile = blockIdx.x * tiles_per_cta + local;  // this warp's 16-row tile; past N: computes nothing
+  if constexpr (FUSE) {
+    if (fuse.silu) {  // gate tile `pair` (rows pair * 16 ..) and up tile `pair` (N / 2 rows further)
+      const int half_tiles = N / 32, pair = blockIdx.x * (tiles_per_cta / 2) + local / 2;
+      tile = pair < half_tiles ? (local & 1) * half_tiles + pair : N / 16;
+    }
+  }
   const int n0 = tile * 16;
-  const int stages = n0 < N ? K / kStageCols : 0;  // a tile past N (last CTA) computes nothing
+  const int stages = n0 < N ? K / kStageCols : 0;
   const int s0 = part * stages / split, s1 = (part + 1) * stages / split;
   const int chunks_per_group_mask = (1 << gshift) - 1;
 
@@ -329,20 +411,54 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   unsigned char* xs = smem + warps * 16 * 8 * sizeof(float);  // SUMX: x
   float* xsum = reinterpret_cast<float*>(xs + K * 2);  // SUMX: x's sum over each chunk
 
-  Trip<VEC, HAS_ZP> ta, tb;  // two stages in registers: one multiplied while the next loads
+  // Two stages in registers: one multiplied while the next loads (they alternate: no copies). The first
+  // is loaded before the PDL wait (the weights are no kernel's output). Loading the second there too was
+  // slower on the H200 (issue 7: o 6.6 against 5.9 us, gate/up 18.5 against 17.3).
+  Trip<VEC, HAS_ZP> ta, tb;
   if (s0 < s1) load_trip<VEC, HAS_ZP, VARIANT>(ta, s0, w_lo, w_hi, s_lo, z_lo, N, gshift);
-  pdl_wait_and_release();  // the first stage was loaded before it: the weights are no kernel's output
+  pdl_wait_and_release();
 
   if constexpr (SUMX) {  // x (one row) in B-fragment order, and its sums per chunk, for the whole CTA
     uint4* xs_vec = reinterpret_cast<uint4*>(xs);
     const int vecs = K / 8;  // 16-byte vectors: 4 * VEC a chunk (lane t's VEC vectors, t = 0..3)
-    for (int base = warp * 32; base < vecs; base += blockDim.x) {  // whole warps: a chunk's lanes align
-      const int i = base + lane;
+    // Vector i's place: chunk c's vectors in B-fragment order, lane t's VEC of them together.
+    auto place = [](int i) { return (i / (4 * VEC) * VEC + i % (4 * VEC) % VEC) * 4 + i % (4 * VEC) / VEC; };
+    float rinv = 0.f;
+    if constexpr (FUSE) {
+      if (fuse.norm_weight != nullptr) {  // the norm's input (x + residual) in place, and its mean square
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
+          uint4 v = load_x(x + 8 * i);
+          if (fuse.residual != nullptr) {
+            v = add_bf16x8(v, load_x(fuse.residual + 8 * i));
+            if (blockIdx.x == 0) *reinterpret_cast<uint4*>(fuse.residual_out + 8 * i) = v;
+          }
+          xs_vec[place(i)] = fragment_order(v);
+          ss += sumsq8_bf16(v);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+        float* red = reinterpret_cast<float*>(smem);  // the partials' space: not used until the end
+        if (lane == 0) red[warp] = ss;
+        __syncthreads();
+        ss = 0.f;
+        for (int i = 0; i < warps; ++i) ss += red[i];  // fixed order: every CTA gets the same row
+        rinv = rsqrtf(ss / static_cast<float>(K) + fuse.eps);
+      }
+    }
+    // Every thread takes the same vectors as above (i = threadIdx.x + j * blockDim.x); whole warps
+    // run each trip, so that a chunk's lanes reduce its sum together.
+    for (int base = 0; base < vecs; base += blockDim.x) {
+      const int i = base + threadIdx.x;
       float s = 0.f;
       if (i < vecs) {
-        const uint4 v = load_x(x + 8 * i);
-        const int c = i / (4 * VEC), within = i % (4 * VEC);
-        xs_vec[(c * VEC + within % VEC) * 4 + within / VEC] = fragment_order(v);
+        uint4 v;
+        if (FUSE && fuse.norm_weight != nullptr) {  // its own vector from the pass above, normed
+          v = norm_bf16x8(xs_vec[place(i)], fragment_order(load_const(fuse.norm_weight + 8 * i)), rinv);
+        } else {
+          v = fragment_order(load_x(x + 8 * i));
+        }
+        xs_vec[place(i)] = v;
         s = sum8_bf16(v);
       }
 #pragma unroll
@@ -357,7 +473,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   float sum[4] = {0.f, 0.f, 0.f, 0.f};  // the current group's MMA sums
   float xs_acc = 0.f;  // SUMX: x's sum over the columns in `sum`
   uint32_t probe = 0;  // kProbeLoad
-  for (int st = s0; st < s1; st += 2) {  // two stages a trip: the registers alternate, no copies
+  for (int st = s0; st < s1; st += 2) {  // two stages a trip: the registers alternate
     if (st + 1 < s1) load_trip<VEC, HAS_ZP, VARIANT>(tb, st + 1, w_lo, w_hi, s_lo, z_lo, N, gshift);
     compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT>(ta, st, s1, chunks_per_group_mask, xs, xsum, x_row, s_lo, z_lo, N,
                                                   gshift, t, sum, acc, xs_acc, probe);
@@ -374,6 +490,27 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   partial[warp][r + 8][2 * t] = acc[2];
   partial[warp][r + 8][2 * t + 1] = acc[3];
   __syncthreads();
+  if constexpr (FUSE) {
+    if (fuse.silu) {  // y [1, N / 2]: silu(gate) * up
+      const int pairs = tiles_per_cta / 2, half_tiles = N / 32;
+      for (int i = threadIdx.x; i < pairs * 16; i += blockDim.x) {
+        const int row = i & 15, pl = i >> 4, pair = blockIdx.x * pairs + pl;
+        if (pair >= half_tiles) continue;
+        const int n = pair * 16 + row;
+        float g = 0.f, u = 0.f;
+        for (int p = 0; p < split; ++p) {  // fixed order: deterministic
+          g += partial[(2 * pl) * split + p][row][0];
+          u += partial[(2 * pl + 1) * split + p][row][0];
+        }
+        if (bias != nullptr) {
+          g += from_half_bits<BF16>(bias[n]);
+          u += from_half_bits<BF16>(bias[n + N / 2]);
+        }
+        y[n] = silu_mul<BF16>(g, u);
+      }
+      return;
+    }
+  }
   for (int i = threadIdx.x; i < tiles_per_cta * 16 * M; i += blockDim.x) {
     const int row = i & 15, m = (i >> 4) % M, tl = (i >> 4) / M;
     const int n = (blockIdx.x * tiles_per_cta + tl) * 16 + row;
@@ -389,6 +526,7 @@ struct Args {
   const void *x, *w, *s, *z, *bias;
   void* y;
   int M, N, K, stride_wn, stride_xm, stride_ym, gshift, split, warps, variant, use_pdl;
+  Fuse fuse;
   cudaStream_t stream;
 };
 
@@ -398,21 +536,25 @@ int smem_bytes(int warps, int K) {
   return warps * 16 * 8 * 4 + (SUMX ? K * 2 + (K / (32 * VEC)) * 4 : 0);
 }
 
-template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT>
+template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE = false>
 cudaError_t launch_kernel(const Args& a) {
-  auto kernel = w4a16_mma_kernel<BF16, VEC, HAS_ZP, SUMX, VARIANT>;
-  const int tiles = a.N / 16, tiles_per_cta = a.warps / a.split;
-  const dim3 grid((tiles + tiles_per_cta - 1) / tiles_per_cta), block(32 * a.warps);
+  auto kernel = w4a16_mma_kernel<BF16, VEC, HAS_ZP, SUMX, VARIANT, FUSE>;
+  const int tiles_per_cta = a.warps / a.split;
+  // silu: a CTA holds tiles_per_cta / 2 pairs (a gate tile and its up tile)
+  const int units = a.fuse.silu ? a.N / 32 : a.N / 16, per_cta = a.fuse.silu ? tiles_per_cta / 2 : tiles_per_cta;
+  const dim3 grid((units + per_cta - 1) / per_cta), block(32 * a.warps);
   const int smem = smem_bytes<VEC, SUMX>(a.warps, a.K);
   static int smem_allowed[kMaxDevices];  // per instantiation and device: raised to what a launch needs
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
-  if (smem > 48 * 1024 && smem > smem_allowed[device]) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (smem > 48 * 1024) {  // above the default: the attribute is set once per device and size
+    int device = 0;
+    cudaError_t err = cudaGetDevice(&device);
     if (err != cudaSuccess) return err;
-    smem_allowed[device] = smem;
+    if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+    if (smem > smem_allowed[device]) {
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      if (err != cudaSuccess) return err;
+      smem_allowed[device] = smem;
+    }
   }
   const auto* xp = static_cast<const uint16_t*>(a.x);
   const auto* wp = static_cast<const uint32_t*>(a.w);
@@ -433,17 +575,23 @@ cudaError_t launch_kernel(const Args& a) {
     cfg.attrs = attr;
     cfg.numAttrs = 1;
     return cudaLaunchKernelEx(&cfg, kernel, xp, wp, sp, zp, bp, yp, a.M, a.N, a.K, a.stride_wn, a.stride_xm,
-                              a.stride_ym, a.gshift, a.split);
+                              a.stride_ym, a.gshift, a.split, a.fuse);
   }
 #endif
   kernel<<<grid, block, smem, a.stream>>>(xp, wp, sp, zp, bp, yp, a.M, a.N, a.K, a.stride_wn, a.stride_xm,
-                                          a.stride_ym, a.gshift, a.split);
+                                          a.stride_ym, a.gshift, a.split, a.fuse);
   return cudaGetLastError();
 }
 
 template <bool BF16, int VEC, bool HAS_ZP, bool SUMX>
 cudaError_t launch(const Args& a) {
-  if (a.variant == kExact) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact>(a);
+  if (a.variant == kExact) {
+    if constexpr (SUMX && BF16) {  // the fusions: kernels of their own, so that the others keep their code
+      if (a.fuse.norm_weight != nullptr || a.fuse.silu) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, true>(a);
+    }
+    if (a.fuse.norm_weight != nullptr || a.fuse.silu) return cudaErrorInvalidValue;
+    return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact>(a);
+  }
   if constexpr (BF16 && VEC == 4 && !HAS_ZP) {  // the probes: bf16, 16-byte vectors, symmetric
     if (a.variant == kProbeLoad) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeLoad>(a);
     if (a.variant == kProbeCompute) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeCompute>(a);
@@ -475,7 +623,7 @@ int smem_for_vec(int warps, int K, bool sumx) {
 extern "C" {
 
 // Version of this entry point's arguments; the Python side refuses a library that disagrees.
-int mllmd_w4a16_mma_abi() { return 8; }
+int mllmd_w4a16_mma_abi() { return 9; }
 
 // Shared memory (bytes) a launch of `warps` warps needs: the Python side checks it against the device.
 int mllmd_w4a16_mma_smem(int M, int K, int vec, int warps, int bf16) {
@@ -497,13 +645,22 @@ int mllmd_w4a16_mma_smem(int M, int K, int vec, int warps, int bf16) {
 // 4); 2**gshift chunks of 32 * vec columns per group (channel-wise: 30); `split` warps share a 16-row
 // tile's K, and a CTA of `warps` warps holds warps / split tiles; `variant`: kExact, or a bench probe.
 // One bf16 row takes the offset form (SUMX), anything else the exact one.
+// Fusions, one bf16 row only (kernels of their own): `norm_weight`: x is RMSNorm's input (with
+// `residual`: x + residual, written to `residual_out`, which must not alias x or residual); `silu`:
+// y [1, N / 2] = silu(first half) * second half (N % 32 == 0, warps / split even).
 int mllmd_w4a16_mma(const void* x, const void* w, const void* scale, const void* zero_point, const void* bias,
                     void* y, int M, int N, int K, int stride_wn, int stride_xm, int stride_ym, int vec, int gshift,
-                    int split, int warps, int variant, int bf16, int use_pdl, void* stream) {
+                    int split, int warps, int variant, int bf16, int use_pdl, const void* residual,
+                    const void* norm_weight, void* residual_out, float eps, int silu, void* stream) {
   if (M < 1 || M > 8 || N % 16 || K % kStageCols || warps < 1 || warps > kMaxWarps || split < 1 || warps % split)
     return cudaErrorInvalidValue;
-  const Args a{x,     w,     scale,   zero_point, bias,    y, M, N, K, stride_wn, stride_xm, stride_ym, gshift,
-               split, warps, variant, use_pdl,    static_cast<cudaStream_t>(stream)};
+  if ((norm_weight != nullptr || silu) && !(M == 1 && bf16)) return cudaErrorInvalidValue;
+  if (norm_weight != nullptr && residual != nullptr && residual_out == nullptr) return cudaErrorInvalidValue;
+  if (silu && (N % 32 || (warps / split) % 2)) return cudaErrorInvalidValue;
+  const Fuse fuse{static_cast<const uint16_t*>(residual), static_cast<const uint16_t*>(norm_weight),
+                  static_cast<uint16_t*>(residual_out), eps, silu};
+  const Args a{x,     w,     scale,   zero_point, bias, y,   M, N, K, stride_wn, stride_xm, stride_ym, gshift,
+               split, warps, variant, use_pdl,    fuse, static_cast<cudaStream_t>(stream)};
   const bool zp = zero_point != nullptr;
   if (bf16) {
     if (M == 1) return zp ? launch_vec<true, true, true>(vec, a) : launch_vec<true, false, true>(vec, a);
