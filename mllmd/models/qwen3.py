@@ -14,13 +14,25 @@ from mllmd_kernels import gemv, rope, silu_and_mul_int8
 from torch import nn
 
 from mllmd.engine.forward_batch import ForwardBatch
-from mllmd.models.layers import Int8Rows, Linear, MergedLinear, RMSNorm, RowsWithAmax, SiluAndMul, get_rope
+from mllmd.models.layers import (
+    Int8Rows,
+    Linear,
+    MergedLinear,
+    NormRows,
+    RMSNorm,
+    RowsWithAmax,
+    SiluAndMul,
+    get_rope,
+)
 from mllmd.models.layers.dispatch import fused_kernels, use_gemv
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 
 # The fused RoPE kernel writes the step's K/V into the pool where the pool's dtype is the kernel's
 # (no store_cache launch); False leaves the store to the attention backend (tests compare the routes).
 ROPE_STORES_KV = True
+# W4A16 on the CUDA kernel, one bf16 row (batch-1 decode): the input and post-attention norms run inside
+# the qkv and gate/up launches, silu(gate) * up inside gate/up's; False runs them apart (tests compare).
+FUSE_NORM_AND_ACTIVATION = True
 
 
 class Qwen3Attention(nn.Module):
@@ -50,7 +62,9 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | Int8Rows, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor | Int8Rows | NormRows, batch: ForwardBatch
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # [T, q + 2 kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # views into qkv
@@ -92,11 +106,17 @@ class Qwen3MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, dtype=dtype, quant=down_scheme)
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor | Int8Rows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows | NormRows) -> torch.Tensor:
         if isinstance(x, Int8Rows) and x.q.shape[0] == 1:
             # W8A8, one row: the gate/up gemv applies silu(gate) * up in its epilogue, and the down
             # gemv quantizes that row itself (no silu_and_mul launch between them).
             return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+        if self.gate_up_proj.fuses_silu_mul and FUSE_NORM_AND_ACTIVATION:
+            # W4A16 on the CUDA kernel, one bf16 row: silu(gate) * up in the gate/up launch, and the norm
+            # before it too (NormRows); other batches run the separate kernels.
+            return self.down_proj(self.gate_up_proj.forward_silu_mul(x))
+        if isinstance(x, NormRows):
+            x = x.normed()
         h = self.gate_up_proj(x)
         # W8A8 on the GPU: activate and quantize in one launch. Not for one row: silu_and_mul_int8's
         # single program is latency-bound there, and the one-row gemv quantizes its input itself
@@ -122,15 +142,28 @@ class Qwen3DecoderLayer(nn.Module):
         # W8A8 projections on the GPU take their input quantized by the norm's own launch, one row
         # (batch-1 decode) too: the plain int8 gemv then skips the max|x| pass that w8a8_gemv makes in
         # every program (H200, Qwen3-8B shapes: qkv 8.0 against 8.6 us, gate_up 25.1 against 26.3).
-        norm = self.input_layernorm
-        if self.self_attn.qkv_proj.takes_int8_input:
-            norm = norm.forward_int8
-        if residual is None:
-            residual = hidden
-            normed = norm(hidden)
+        # W4A16 on the CUDA kernel: the projection after each norm applies it in its own launch where it
+        # can (one bf16 row), and leaves the residual sum in NormRows.residual_out.
+        if self.self_attn.qkv_proj.fuses_norm and FUSE_NORM_AND_ACTIVATION:
+            pending = NormRows(hidden, residual, self.input_layernorm)
+            hidden = self.self_attn(positions, pending, batch)
+            residual = pending.residual_out
         else:
-            normed, residual = norm(hidden, residual)
-        hidden = self.self_attn(positions, normed, batch)
+            norm = self.input_layernorm
+            if self.self_attn.qkv_proj.takes_int8_input:
+                norm = norm.forward_int8
+            if residual is None:
+                residual = hidden
+                normed = norm(hidden)
+            else:
+                normed, residual = norm(hidden, residual)
+            hidden = self.self_attn(positions, normed, batch)
+        if self.mlp.gate_up_proj.fuses_norm and FUSE_NORM_AND_ACTIVATION:
+            pending = NormRows(hidden, residual, self.post_attention_layernorm)
+            out = self.mlp(pending)
+            if pending.residual_out is None:
+                raise RuntimeError("the MLP did not run the post-attention norm")
+            return out, pending.residual_out
         norm = self.post_attention_layernorm
         if self.mlp.gate_up_proj.takes_int8_input:
             norm = norm.forward_int8

@@ -137,3 +137,65 @@ def test_a_registered_kernel_is_preferred_where_it_can_run() -> None:
     finally:
         kernels_mod.unregister_kernel(FakeGpuW8A8)
     assert isinstance(select_kernel(W8A8_SCHEME, torch.device("cpu")), kernels_mod.TorchW8A8Kernel)
+
+
+def test_norm_and_silu_fusion_routes_and_fallbacks() -> None:
+    """A kernel that fuses (here a CPU stand-in for the W4A16 CUDA kernel) gets the RMSNorm and
+    silu(gate) * up of NormRows / forward_silu_mul and hands back the residual sum; where it declines
+    (returns None: several rows here), the layer runs the norm and activation apart. Either way the
+    results and the residual equal the unfused modules'."""
+    from mllmd.models.layers import NormRows, RMSNorm, SiluAndMul
+    from mllmd.models.quantization import NormSpec
+
+    calls: list[tuple[bool, bool]] = []
+
+    class FakeFusingW4A16(kernels_mod.TorchW4A16Kernel):
+        fuses_norm = fuses_silu_mul = True
+
+        @classmethod
+        def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
+            return None if scheme.method == "w4a16" else "fake: w4a16 only"
+
+        def apply_fused(
+            self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+        ) -> torch.Tensor | None:
+            if x.shape[0] != 1:
+                return None
+            calls.append((norm is not None, silu))
+            if norm is not None:
+                s = x if norm.residual is None else x + norm.residual
+                norm.residual_out = s
+                xf = s.float()
+                x = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(s.dtype)
+            y = self.apply(layer, x, bias)
+            return SiluAndMul()(y) if silu else y
+
+    scheme = LinearScheme("w4a16", 4, "group", 32, True)
+    register_kernel(FakeFusingW4A16)
+    try:
+        layer = MergedLinear(64, {"gate": 16, "up": 16}, quant=scheme)
+        g = torch.Generator().manual_seed(8)
+        for shard in ("gate", "up"):
+            layer.load_shard("weight_packed", shard, torch.randint(-(2**31), 2**31 - 1, (16, 8), generator=g, dtype=torch.int32))
+            layer.load_shard("weight_scale", shard, torch.rand(16, 2, generator=g) + 0.5)
+        layer.process_weights_after_loading()
+        assert layer.fuses_norm and layer.fuses_silu_mul
+        norm = RMSNorm(64)
+        norm.weight.data.copy_(torch.rand(64, generator=g) + 0.5)
+        for rows, fused in ((1, True), (3, False)):
+            x, r = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+            normed, res = norm(x, r)
+            calls.clear()
+            pending = NormRows(x, r, norm)
+            out = layer.forward_silu_mul(pending)
+            assert calls == ([(True, True)] if fused else [])
+            torch.testing.assert_close(out, SiluAndMul()(layer(normed)))
+            assert torch.equal(pending.residual_out, res)
+            pending = NormRows(x, r, norm)
+            torch.testing.assert_close(layer(pending), layer(normed))
+            assert torch.equal(pending.residual_out, res)
+        first = NormRows(x[:1], None, norm)  # the first layer: no residual yet; x is the next one
+        torch.testing.assert_close(layer(first), layer(norm(x[:1])))
+        assert first.residual_out is x[:1] or torch.equal(first.residual_out, x[:1])
+    finally:
+        kernels_mod.unregister_kernel(FakeFusingW4A16)

@@ -520,3 +520,56 @@ def test_w4a16_model_decodes_on_the_cuda_kernel(tmp_path: Any) -> None:
             assert rel_err(out, ref) < 3e-3
         del llm
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or mma.unavailable_reason(torch.device("cuda")) is not None,
+    reason="needs CUDA and the w4a16_mma library (nvcc)",
+)
+def test_w4a16_batch1_decode_fuses_the_norms_and_silu_into_the_cuda_kernel(tmp_path: Any, monkeypatch: Any) -> None:
+    """One request (one-row decode steps, in CUDA graphs): the qkv and gate/up launches apply the
+    layer's norms and gate/up's silu(gate) * up, so the decode steps launch no rmsnorm but the final
+    one and no silu_and_mul; greedy tokens equal those of the same model with the fusions off, and a
+    fused layer's output is close to the separate kernels'."""
+    pytest.importorskip("compressed_tensors")
+    from torch.profiler import ProfilerActivity, profile
+
+    import mllmd.models.qwen3 as qwen3
+    from mllmd import LLM, SamplingParams
+    from mllmd.models.layers import NormRows, RMSNorm
+    from mllmd.testing.checkpoints import build_tiny_checkpoint
+    from mllmd.testing.quantize import quantize_checkpoint
+
+    shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    base = build_tiny_checkpoint(tmp_path / "base", "Qwen3-0.6B", tie_word_embeddings=False, seed=9, **shape)
+    model_dir = quantize_checkpoint(base, tmp_path / "w4a16", "W4A16")
+    prompt = [[100 + 3 * i for i in range(7)]]
+    tokens, counts = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(qwen3, "FUSE_NORM_AND_ACTIVATION", fused)
+        llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", max_total_tokens=512)
+        llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            outs = llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        counts[fused] = {k: sum(k in n for n in names) for k in ("_rmsnorm_kernel", "_silu_and_mul_kernel", "w4a16_mma_kernel")}
+        tokens[fused] = outs[0].token_ids
+        if fused:
+            model = llm.engine.runner.model
+            layer = model.model.layers[0]
+            g = torch.Generator().manual_seed(4)
+            h, r = (torch.randn(1, 256, generator=g).to(device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            norm: RMSNorm = layer.post_attention_layernorm
+            with torch.no_grad():
+                pending = NormRows(h, r, norm)
+                got = layer.mlp.gate_up_proj.forward_silu_mul(pending)
+                normed, res = norm(h, r)
+                want = SiluAndMul()(layer.mlp.gate_up_proj(normed))
+            assert torch.equal(pending.residual_out, res)
+            assert rel_err(got.float(), want.float()) < 2e-3
+        del llm
+    steps = 15  # decode steps of the profiled request; its prefill (7 rows) runs the norms apart
+    assert counts[True]["w4a16_mma_kernel"] > 0
+    assert counts[False]["_silu_and_mul_kernel"] - counts[True]["_silu_and_mul_kernel"] >= steps * 2  # 2 layers
+    assert counts[False]["_rmsnorm_kernel"] - counts[True]["_rmsnorm_kernel"] >= steps * 4
+    assert tokens[True] == tokens[False]

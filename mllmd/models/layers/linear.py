@@ -8,14 +8,16 @@ chosen per device once the weights are loaded.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import gemv
 from torch import nn
 
+from mllmd.models.layers.activation import SiluAndMul
 from mllmd.models.layers.dispatch import use_gemv
-from mllmd.models.quantization import LinearScheme, QuantMethod, create_quant_method
+from mllmd.models.quantization import LinearScheme, NormSpec, QuantMethod, create_quant_method
 
 
 @dataclass
@@ -36,6 +38,35 @@ class RowsWithAmax:
 
     x: torch.Tensor
     amax_parts: torch.Tensor
+
+
+_SILU_AND_MUL = SiluAndMul()
+
+
+@dataclass
+class NormRows:
+    """Rows x [T, H] whose RMSNorm (with the residual add) has not run yet: a layer whose kernel applies
+    it in its own launch (`Linear.fuses_norm`) does so, others run `norm` first. Once the layer has
+    run, `residual_out` holds x + residual (x itself without a residual): the decoder's next residual."""
+
+    x: torch.Tensor
+    residual: torch.Tensor | None
+    norm: Any  # an RMSNorm: norm(x) or norm(x, residual) -> (normed, x + residual); .weight, .eps
+    residual_out: torch.Tensor | None = None
+
+    def spec(self) -> NormSpec:
+        return NormSpec(self.norm.weight, self.norm.eps, self.residual)
+
+    def take_residual(self, spec: NormSpec) -> None:
+        self.residual_out = spec.residual_out
+
+    def normed(self) -> torch.Tensor:
+        """Run the norm on its own (sets residual_out)."""
+        if self.residual is None:
+            self.residual_out = self.x
+            return self.norm(self.x)
+        out, self.residual_out = self.norm(self.x, self.residual)
+        return out
 
 
 class Linear(nn.Module):
@@ -60,7 +91,15 @@ class Linear(nn.Module):
             self.quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax | NormRows) -> torch.Tensor:
+        if isinstance(x, NormRows):  # the norm in this layer's launch where its kernel can, else apart
+            if self.quant_method is not None and self.quant_method.fuses_norm:
+                spec = x.spec()
+                out = self.quant_method.apply_fused(self, x.x, self.bias, spec, silu=False)
+                if out is not None:
+                    x.take_residual(spec)
+                    return out
+            x = x.normed()
         if isinstance(x, Int8Rows):  # quantized by the op before (only when takes_int8_input)
             if self.quant_method is None:
                 raise RuntimeError("int8 rows given to an unquantized layer")
@@ -80,6 +119,12 @@ class Linear(nn.Module):
         """The layer's kernel accepts per-token int8 activations (W8A8 on the GPU), so the op before
         it may quantize them in its own launch and pass `Int8Rows` to forward()."""
         return self.quant_method is not None and self.quant_method.takes_int8_input
+
+    @property
+    def fuses_norm(self) -> bool:
+        """The layer's kernel can apply the RMSNorm before it in its own launch (for some inputs: one
+        bf16 row on the W4A16 CUDA kernel), so the decoder may pass `NormRows` to forward()."""
+        return self.quant_method is not None and self.quant_method.fuses_norm
 
     @property
     def takes_amax(self) -> bool:
@@ -149,17 +194,38 @@ class MergedLinear(Linear):
             raise ValueError(f"unknown shard {shard!r} (expected one of {', '.join(self.shard_offsets)})")
         return self.shard_offsets[shard]
 
-    def forward_silu_mul(self, x: Int8Rows) -> torch.Tensor | RowsWithAmax:
-        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], from int8 rows,
-        in the kernel's own epilogue where it has one (only when takes_int8_input); with the max|out|
-        partials where that epilogue writes them."""
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """The layer's kernel can apply silu(gate) * up in its own launch (for some inputs: one bf16
+        row on the W4A16 CUDA kernel), so the MLP may call forward_silu_mul()."""
+        return self.quant_method is not None and self.quant_method.fuses_silu_mul
+
+    def forward_silu_mul(self, x: torch.Tensor | Int8Rows | NormRows) -> torch.Tensor | RowsWithAmax:
+        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], in the kernel's
+        own epilogue where it has one (int8 rows: only when takes_int8_input, with the max|out| partials
+        where that epilogue writes them; else where fuses_silu_mul, and the norm of `NormRows` too),
+        otherwise by a separate activation."""
         sizes = [size for _, size in self.shard_offsets.values()]
         if len(sizes) != 2 or sizes[0] != sizes[1]:
             raise RuntimeError(f"silu_and_mul needs two equal shards, not {sizes}")
-        if self.quant_method is None:
-            raise RuntimeError("int8 rows given to an unquantized layer")
-        out, amax_parts = self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
-        return out if amax_parts is None else RowsWithAmax(out, amax_parts)
+        if isinstance(x, Int8Rows):
+            if self.quant_method is None:
+                raise RuntimeError("int8 rows given to an unquantized layer")
+            out, amax_parts = self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
+            return out if amax_parts is None else RowsWithAmax(out, amax_parts)
+        if self.quant_method is not None and self.quant_method.fuses_silu_mul:
+            if isinstance(x, NormRows) and self.quant_method.fuses_norm:
+                spec = x.spec()
+                fused = self.quant_method.apply_fused(self, x.x, self.bias, spec, silu=True)
+                if fused is not None:
+                    x.take_residual(spec)
+                    return fused
+            rows = x.normed() if isinstance(x, NormRows) else x
+            fused = self.quant_method.apply_fused(self, rows, self.bias, None, silu=True)
+            if fused is not None:
+                return fused
+            return _SILU_AND_MUL(self(rows))
+        return _SILU_AND_MUL(self(x.normed() if isinstance(x, NormRows) else x))
 
     def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> bool:
         """Copy one checkpoint tensor (e.g. k_proj.weight) into its slice of the fused parameter."""

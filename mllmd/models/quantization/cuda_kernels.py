@@ -6,6 +6,10 @@ points G-major), so larger batches and prefill keep the Triton paths on the same
 shape the CUDA kernel does not take (N % 16, K % 256, a group that is not 32 / 64 / a power-of-two
 multiple of 128 columns, a row whose staged x would not fit the GPU's shared memory) runs every batch
 on the Triton paths; so does an x whose rows do not start on 16 bytes.
+
+For one bf16 row (batch-1 decode) its launch can also apply (apply_fused) the RMSNorm before a layer
+(the input_layernorm into qkv, the post-attention norm into gate/up) and silu(gate) * up after a
+gate/up layer; the model then launches no rmsnorm or silu_and_mul kernel there.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from mllmd_kernels import w4a16_mma as mma
 
 from mllmd.models.quantization.config import LinearScheme
-from mllmd.models.quantization.kernels import register_kernel
+from mllmd.models.quantization.kernels import NormSpec, register_kernel
 from mllmd.models.quantization.triton_kernels import TritonW4A16Kernel, _rows
 
 if TYPE_CHECKING:
@@ -37,6 +41,8 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
         group = k // layer.weight_scale.shape[1]
         device = layer.weight_packed.device
         self.mma_ok = mma.supports(1, n, k, group, layer.params_dtype) and mma.fits(1, k, group, layer.params_dtype, device)
+        self.fuses_norm = self.mma_ok and layer.params_dtype == torch.bfloat16  # the offset form stages x
+        self.fuses_silu_mul = self.fuses_norm and n % 32 == 0
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # x in the layer's dtype: so is its bias (Linear makes it so), which the kernel adds as it is
@@ -47,6 +53,27 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
             out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias)
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
         return super().apply(layer, x, bias)
+
+    def apply_fused(
+        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+    ) -> torch.Tensor | None:
+        x2 = _rows(x)
+        rows = x2.shape[0]
+        if not (self.fuses_norm and rows == 1 and x2.dtype == layer.params_dtype and mma.aligned(x2)):
+            return None
+        if silu and not self.fuses_silu_mul:
+            return None
+        fused_norm = None
+        if norm is not None:
+            residual = None if norm.residual is None else _rows(norm.residual)
+            if not mma.norm_fusable(x2, norm.weight, residual):
+                return None
+            fused_norm = mma.NormInput(norm.weight, norm.eps, residual)
+        zero_point = getattr(layer, "weight_zero_point", None)
+        out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias, norm=fused_norm, silu=silu)
+        if norm is not None and fused_norm is not None:
+            norm.residual_out = x if norm.residual is None else fused_norm.residual_out.view(x.shape)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 register_kernel(CudaW4A16Kernel)

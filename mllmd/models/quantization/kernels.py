@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,18 @@ if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class NormSpec:
+    """An RMSNorm (mllmd_kernels.rmsnorm's rounding) that a kernel may apply to its input x in its own
+    launch: norm(x + residual) with a residual, whose sum x + residual the kernel then leaves in
+    `residual_out`."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # x's shape
+    residual_out: torch.Tensor | None = None  # set by the kernel
 
 
 class QuantLinearKernel(ABC):
@@ -76,6 +89,19 @@ class QuantLinearKernel(ABC):
         """apply() for an x whose max|x| partials the op before wrote (apply_int8_silu_mul's): a kernel
         that quantizes x itself may take its scale from them. By default: apply()."""
         return self.apply(layer, x, bias)
+
+    # Kernels that set these (after process_weights) may fuse an RMSNorm before / silu(gate) * up
+    # after the product into their launch (apply_fused), for some inputs.
+    fuses_norm: bool = False
+    fuses_silu_mul: bool = False
+
+    def apply_fused(
+        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+    ) -> torch.Tensor | None:
+        """apply() with `norm` applied to x first and / or (`silu`, a gate/up layer) silu(first half) *
+        second half of the output, in one launch; None where this kernel cannot for this x (the caller
+        then runs them apart)."""
+        return None
 
 
 class TorchW8A8Kernel(QuantLinearKernel):

@@ -15,7 +15,7 @@ from torch import nn
 
 from mllmd.models.quantization import ops
 from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
-from mllmd.models.quantization.kernels import QuantLinearKernel, select_kernel
+from mllmd.models.quantization.kernels import NormSpec, QuantLinearKernel, select_kernel
 
 if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
@@ -76,6 +76,19 @@ class QuantMethod(ABC):
         self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return self._loaded_kernel().apply_with_amax(layer, x, amax_parts, bias)
+
+    @property
+    def fuses_norm(self) -> bool:
+        return self.kernel is not None and self.kernel.fuses_norm
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        return self.kernel is not None and self.kernel.fuses_silu_mul
+
+    def apply_fused(
+        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+    ) -> torch.Tensor | None:
+        return self._loaded_kernel().apply_fused(layer, x, bias, norm, silu)
 
 
 class W8A8Int8Method(QuantMethod):
