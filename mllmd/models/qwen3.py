@@ -6,6 +6,7 @@ through the step's attention backend, which reads and writes the paged KV pool.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,8 +32,9 @@ from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_
 # (no store_cache launch); False leaves the store to the attention backend (tests compare the routes).
 ROPE_STORES_KV = True
 # W4A16 on the CUDA kernel, one bf16 row (batch-1 decode): the input and post-attention norms run inside
-# the qkv and gate/up launches, silu(gate) * up inside gate/up's; False runs them apart (tests compare).
-FUSE_NORM_AND_ACTIVATION = True
+# the qkv and gate/up launches, silu(gate) * up inside gate/up's; False (or MLLMD_W4A16_FUSIONS=0, read
+# at import) runs them apart, for comparison.
+FUSE_NORM_AND_ACTIVATION = os.environ.get("MLLMD_W4A16_FUSIONS", "1") != "0"
 
 
 class Qwen3Attention(nn.Module):
