@@ -11,10 +11,24 @@ rmsnorm_int8: the same normed rows quantized per token for a W8A8 projection in 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mllmd_kernels._triton import next_pow2, pdl_args, pdl_sync, tl, triton
 from mllmd_kernels.int8_quant import _quant_row, int8_quant_ref, int8_scale
+
+
+@dataclass
+class NormInput:
+    """An RMSNorm (this module's numerics) that a GEMM kernel may apply to its input x in its own launch:
+    norm(x + residual) with `residual`, whose sum x + residual the kernel then writes to `residual_out`
+    (a tensor of its own: not x or residual; the kernel allocates it when None)."""
+
+    weight: torch.Tensor  # [K]
+    eps: float
+    residual: torch.Tensor | None = None  # x's shape
+    residual_out: torch.Tensor | None = None  # x's shape, written
 
 
 def rmsnorm_ref(

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from mllmd_kernels._triton import pdl_args, sm_count_for
+from mllmd_kernels.rmsnorm import NormInput
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +64,6 @@ class MmaConfig:
     split: int
     warps: int
     variant: int = EXACT
-
-
-@dataclass
-class NormInput:
-    """x is the input of an RMSNorm (Hugging Face Qwen3 rounding, as mllmd_kernels.rmsnorm) that the
-    launch applies before the product: norm(x + residual) with `residual`, whose sum x + residual the
-    launch writes to `residual_out` (a tensor of its own: not x or residual)."""
-
-    weight: torch.Tensor  # [K] bf16, contiguous
-    eps: float
-    residual: torch.Tensor | None = None  # [1, K] bf16
-    residual_out: torch.Tensor | None = None  # [1, K] bf16, written
 
 
 def mma_layout(k: int, group: int) -> tuple[int, int] | None:

@@ -144,8 +144,9 @@ def test_norm_and_silu_fusion_routes_and_fallbacks() -> None:
     silu(gate) * up of NormRows / forward_silu_mul and hands back the residual sum; where it declines
     (returns None: several rows here), the layer runs the norm and activation apart. Either way the
     results and the residual equal the unfused modules'."""
+    from mllmd_kernels.rmsnorm import NormInput
+
     from mllmd.models.layers import NormRows, RMSNorm, SiluAndMul
-    from mllmd.models.quantization import NormSpec
 
     calls: list[tuple[bool, bool]] = []
 
@@ -157,7 +158,7 @@ def test_norm_and_silu_fusion_routes_and_fallbacks() -> None:
             return None if scheme.method == "w4a16" else "fake: w4a16 only"
 
         def apply_fused(
-            self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+            self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
         ) -> torch.Tensor | None:
             if x.shape[0] != 1:
                 return None

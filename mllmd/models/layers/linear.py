@@ -13,11 +13,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import gemv
+from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
 from mllmd.models.layers.activation import SiluAndMul
 from mllmd.models.layers.dispatch import use_gemv
-from mllmd.models.quantization import LinearScheme, NormSpec, QuantMethod, create_quant_method
+from mllmd.models.quantization import LinearScheme, QuantMethod, create_quant_method
 
 
 @dataclass
@@ -54,12 +55,6 @@ class NormRows:
     norm: Any  # an RMSNorm: norm(x) or norm(x, residual) -> (normed, x + residual); .weight, .eps
     residual_out: torch.Tensor | None = None
 
-    def spec(self) -> NormSpec:
-        return NormSpec(self.norm.weight, self.norm.eps, self.residual)
-
-    def take_residual(self, spec: NormSpec) -> None:
-        self.residual_out = spec.residual_out
-
     def normed(self) -> torch.Tensor:
         """Run the norm on its own (sets residual_out)."""
         if self.residual is None:
@@ -93,12 +88,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax | NormRows) -> torch.Tensor:
         if isinstance(x, NormRows):  # the norm in this layer's launch where its kernel can, else apart
-            if self.quant_method is not None and self.quant_method.fuses_norm:
-                spec = x.spec()
-                out = self.quant_method.apply_fused(self, x.x, self.bias, spec, silu=False)
-                if out is not None:
-                    x.take_residual(spec)
-                    return out
+            out = self._apply_fused(x, silu=False)
+            if out is not None:
+                return out
             x = x.normed()
         if isinstance(x, Int8Rows):  # quantized by the op before (only when takes_int8_input)
             if self.quant_method is None:
@@ -119,6 +111,21 @@ class Linear(nn.Module):
         """The layer's kernel accepts per-token int8 activations (W8A8 on the GPU), so the op before
         it may quantize them in its own launch and pass `Int8Rows` to forward()."""
         return self.quant_method is not None and self.quant_method.takes_int8_input
+
+    def _apply_fused(self, x: torch.Tensor | NormRows, silu: bool) -> torch.Tensor | None:
+        """The kernel's launch with the norm of NormRows before it (setting its residual_out) and / or
+        silu(gate) * up after it; None where the kernel cannot for this x."""
+        if self.quant_method is None:
+            return None
+        if not isinstance(x, NormRows):
+            return self.quant_method.apply_fused(self, x, self.bias, None, silu)
+        if not self.quant_method.fuses_norm:
+            return None
+        norm = NormInput(x.norm.weight, x.norm.eps, x.residual)
+        out = self.quant_method.apply_fused(self, x.x, self.bias, norm, silu)
+        if out is not None:
+            x.residual_out = norm.residual_out
+        return out
 
     @property
     def fuses_norm(self) -> bool:
@@ -214,18 +221,15 @@ class MergedLinear(Linear):
             out, amax_parts = self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
             return out if amax_parts is None else RowsWithAmax(out, amax_parts)
         if self.quant_method is not None and self.quant_method.fuses_silu_mul:
-            if isinstance(x, NormRows) and self.quant_method.fuses_norm:
-                spec = x.spec()
-                fused = self.quant_method.apply_fused(self, x.x, self.bias, spec, silu=True)
-                if fused is not None:
-                    x.take_residual(spec)
-                    return fused
-            rows = x.normed() if isinstance(x, NormRows) else x
-            fused = self.quant_method.apply_fused(self, rows, self.bias, None, silu=True)
-            if fused is not None:
-                return fused
-            return _SILU_AND_MUL(self(rows))
-        return _SILU_AND_MUL(self(x.normed() if isinstance(x, NormRows) else x))
+            out = self._apply_fused(x, silu=True)
+            if out is None and isinstance(x, NormRows):  # the norm apart, silu in the launch where it can
+                x = x.normed()
+                out = self._apply_fused(x, silu=True)
+            if out is not None:
+                return out
+        if isinstance(x, NormRows):
+            x = x.normed()
+        return _SILU_AND_MUL(self(x))
 
     def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> bool:
         """Copy one checkpoint tensor (e.g. k_proj.weight) into its slice of the fused parameter."""

@@ -12,7 +12,7 @@ from mllmd.models.quantization.config import (
     parse_quant_config,
 )
 from mllmd.models.quantization.cuda_kernels import CudaW4A16Kernel  # imports triton_kernels first: preferred
-from mllmd.models.quantization.kernels import NormSpec, QuantLinearKernel, register_kernel, select_kernel
+from mllmd.models.quantization.kernels import QuantLinearKernel, register_kernel, select_kernel
 from mllmd.models.quantization.methods import QuantMethod, create_quant_method
 from mllmd.models.quantization.triton_kernels import TritonW4A16Kernel, TritonW8A8Kernel
 
@@ -21,7 +21,6 @@ __all__ = [
     "W4A16",
     "W8A8",
     "LinearScheme",
-    "NormSpec",
     "QuantConfig",
     "QuantLinearKernel",
     "QuantMethod",

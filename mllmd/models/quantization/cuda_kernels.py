@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 from mllmd_kernels import w4a16_mma as mma
+from mllmd_kernels.rmsnorm import NormInput
 
 from mllmd.models.quantization.config import LinearScheme
-from mllmd.models.quantization.kernels import NormSpec, register_kernel
+from mllmd.models.quantization.kernels import register_kernel
 from mllmd.models.quantization.triton_kernels import TritonW4A16Kernel, _rows
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
         return super().apply(layer, x, bias)
 
     def apply_fused(
-        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
     ) -> torch.Tensor | None:
         x2 = _rows(x)
         rows = x2.shape[0]
@@ -63,16 +64,12 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
             return None
         if silu and not self.fuses_silu_mul:
             return None
-        fused_norm = None
-        if norm is not None:
-            residual = None if norm.residual is None else _rows(norm.residual)
-            if not mma.norm_fusable(x2, norm.weight, residual):
-                return None
-            fused_norm = mma.NormInput(norm.weight, norm.eps, residual)
+        if norm is not None and not mma.norm_fusable(x2, norm.weight, norm.residual):
+            return None
         zero_point = getattr(layer, "weight_zero_point", None)
-        out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias, norm=fused_norm, silu=silu)
-        if norm is not None and fused_norm is not None:
-            norm.residual_out = x if norm.residual is None else fused_norm.residual_out.view(x.shape)
+        out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias, norm=norm, silu=silu)
+        if norm is not None and norm.residual is None:
+            norm.residual_out = x  # the first layer: the norm's input is the next residual
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
 

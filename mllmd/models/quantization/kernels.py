@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from mllmd_kernels.rmsnorm import NormInput
 
 from mllmd.models.quantization import ops
 from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
@@ -32,18 +32,6 @@ if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class NormSpec:
-    """An RMSNorm (mllmd_kernels.rmsnorm's rounding) that a kernel may apply to its input x in its own
-    launch: norm(x + residual) with a residual, whose sum x + residual the kernel then leaves in
-    `residual_out`."""
-
-    weight: torch.Tensor  # [K]
-    eps: float
-    residual: torch.Tensor | None = None  # x's shape
-    residual_out: torch.Tensor | None = None  # set by the kernel
 
 
 class QuantLinearKernel(ABC):
@@ -96,11 +84,11 @@ class QuantLinearKernel(ABC):
     fuses_silu_mul: bool = False
 
     def apply_fused(
-        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
     ) -> torch.Tensor | None:
-        """apply() with `norm` applied to x first and / or (`silu`, a gate/up layer) silu(first half) *
-        second half of the output, in one launch; None where this kernel cannot for this x (the caller
-        then runs them apart)."""
+        """apply() with `norm` applied to x first (leaving x + residual in norm.residual_out) and / or
+        (`silu`, a gate/up layer) silu(first half) * second half of the output, in one launch; None
+        where this kernel cannot for this x (the caller then runs them apart)."""
         return None
 
 

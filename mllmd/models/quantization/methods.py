@@ -11,11 +11,12 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
+from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
 from mllmd.models.quantization import ops
 from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
-from mllmd.models.quantization.kernels import NormSpec, QuantLinearKernel, select_kernel
+from mllmd.models.quantization.kernels import QuantLinearKernel, select_kernel
 
 if TYPE_CHECKING:
     from mllmd.models.layers.linear import Linear
@@ -86,7 +87,7 @@ class QuantMethod(ABC):
         return self.kernel is not None and self.kernel.fuses_silu_mul
 
     def apply_fused(
-        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormSpec | None, silu: bool
+        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
     ) -> torch.Tensor | None:
         return self._loaded_kernel().apply_fused(layer, x, bias, norm, silu)
 
