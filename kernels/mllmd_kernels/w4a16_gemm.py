@@ -237,6 +237,19 @@ def _dequant_f32(
 
 
 @triton.jit
+def _word_offsets(rows, wcols, stride_wn, MMA_VEC: tl.constexpr):
+    """Offsets of the words (rows[:, None], wcols[None, :]) of w_packed: row-major as stored
+    (MMA_VEC == 0), or in w4a16_mma.tile_order(w, MMA_VEC) (16-row tiles, 256-column stages, chunks of
+    4 * MMA_VEC words; rows 16 apart are 16 * stride_wn words apart there too)."""
+    if MMA_VEC == 0:
+        return rows[:, None] * stride_wn + wcols[None, :]
+    else:
+        row_off = (rows // 16) * 16 * stride_wn + ((rows % 16) // 8) * (32 * MMA_VEC) + (rows % 8) * (4 * MMA_VEC)
+        col_off = (wcols // 32) * 512 + ((wcols % 32) // (4 * MMA_VEC)) * (64 * MMA_VEC) + wcols % (4 * MMA_VEC)
+        return row_off[:, None] + col_off[None, :]
+
+
+@triton.jit
 def _nibble(words, SHIFT: tl.constexpr, magic, bias):
     """(q - zero_point) in float32, exactly, for the nibble at bits [SHIFT, SHIFT + 4) of each word:
     ORed into the mantissa of magic = 2**23 it reads 2**23 + n * 2**SHIFT (SHIFT + 4 <= 23); one FMA
@@ -478,13 +491,14 @@ def _w4a16_decode_kernel(
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
+    MMA_VEC: tl.constexpr = 0,  # w_packed in w4a16_mma.tile_order (0: row-major)
 ):
     """Skinny (2 <= M <= 64): W_tile @ x_tile^T on tensor cores, one K split per program along axis 1."""
     pdl_sync(USE_PDL)
     offs_n, mask_n, rows_n, k_start, k_len = n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_start // 8 + offs_w)[None, :]
+    w_ptrs = w_ptr + _word_offsets(rows_n, k_start // 8 + offs_w, stride_wn, MMA_VEC)
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
     offs_m = tl.arange(0, BLOCK_M)
@@ -506,7 +520,10 @@ def _w4a16_decode_kernel(
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
-        w_ptrs += BLOCK_K // 8
+        if MMA_VEC == 0:
+            w_ptrs += BLOCK_K // 8
+        else:  # tile order is not affine along K inside a stage
+            w_ptrs = w_ptr + _word_offsets(rows_n, (k_start + k0 + BLOCK_K) // 8 + offs_w, stride_wn, MMA_VEC)
         x_ptrs += BLOCK_K
     out_mask = mask_n[:, None] & mask_m[None, :]
     if IS_SPLIT:
@@ -549,13 +566,14 @@ def _w4a16_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
+    MMA_VEC: tl.constexpr = 0,  # w_packed in w4a16_mma.tile_order (0: row-major)
 ):
     """Prefill: acc[BLOCK_M, BLOCK_N] = x_tile @ dequant(W_tile)^T, tiles swizzled by GROUP_M."""
     offs_m, offs_n, rows_m, rows_n = swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_K // 8)
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_w[None, :]
+    w_ptrs = w_ptr + _word_offsets(rows_n, offs_w, stride_wn, MMA_VEC)
     s_rows = s_ptr + rows_n * stride_sn
     z_rows = z_ptr + rows_n * stride_zn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -573,7 +591,10 @@ def _w4a16_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
-        w_ptrs += BLOCK_K // 8
+        if MMA_VEC == 0:
+            w_ptrs += BLOCK_K // 8
+        else:
+            w_ptrs = w_ptr + _word_offsets(rows_n, (k0 + BLOCK_K) // 8 + offs_w, stride_wn, MMA_VEC)
         x_ptrs += BLOCK_K
     mask_m = offs_m < M
     mask_n = offs_n < N
@@ -628,13 +649,14 @@ def _w4a16_dequant_kernel(
     BLOCK_K: tl.constexpr,
     HAS_ZP: tl.constexpr,
     EVEN_K: tl.constexpr,
+    MMA_VEC: tl.constexpr = 0,  # w_packed in w4a16_mma.tile_order (0: row-major)
 ):
     """One [BLOCK_N, BLOCK_K] tile of the dequantized weight (BLOCK_K divides the group)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     rows = (offs_n % N).to(tl.int64)
     offs_w = tl.arange(0, BLOCK_K // 8)
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + (k0 // 8 + offs_w)[None, :]
+    w_ptrs = w_ptr + _word_offsets(rows, k0 // 8 + offs_w, stride_wn, MMA_VEC)
     g = k0 // GROUP
     word_mask = k0 // 8 + offs_w < KW
     f = _dequant_f32(w_ptrs, word_mask, s_ptr + rows * stride_sn + g * stride_sg,
@@ -655,11 +677,13 @@ def w4a16_dequantize(
     in_features: int,
     dtype: torch.dtype,
     out: torch.Tensor | None = None,  # [N, K] dtype
+    mma_vec: int = 0,  # w_packed in w4a16_mma.tile_order(w, mma_vec) (0: row-major as stored)
 ) -> torch.Tensor:
     """The weight [N, K] in `dtype`, equal to dequantize_int4_ref (float32 math, one rounding)."""
     n, kw = w_packed.shape
     k = in_features
     assert w_packed.dtype == torch.int32 and w_packed.stride(1) == 1 and kw == cdiv(k, 8)
+    _check_mma_order(w_packed, mma_vec)
     group = k // w_scale.shape[1]
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=w_packed.device)
@@ -669,9 +693,18 @@ def w4a16_dequantize(
     _w4a16_dequant_kernel[grid](
         w_packed, w_scale, zp, out, n, k, kw, group, w_packed.stride(0), w_scale.stride(0), w_scale.stride(1),
         zp.stride(0), zp.stride(1), out.stride(0),
-        BLOCK_N=64, BLOCK_K=bk, HAS_ZP=w_zero_point is not None, EVEN_K=k % bk == 0, num_warps=4,
+        BLOCK_N=64, BLOCK_K=bk, HAS_ZP=w_zero_point is not None, EVEN_K=k % bk == 0, MMA_VEC=mma_vec, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def _check_mma_order(w_packed: torch.Tensor, mma_vec: int) -> None:
+    """Words in w4a16_mma.tile_order come as whole 16-row tiles and 256-column stages, contiguous."""
+    if mma_vec:
+        n, kw = w_packed.shape
+        assert mma_vec in (1, 2, 4) and n % 16 == 0 and kw % 32 == 0 and w_packed.is_contiguous(), (
+            f"w_packed {tuple(w_packed.shape)} cannot be in mma tile order (vec {mma_vec})"
+        )
 
 
 # Scale dtypes the kernels read (each widened to float32 on load, so a bf16 scale that holds the
@@ -708,8 +741,12 @@ def w4a16_gemm(
     out: torch.Tensor | None = None,  # [M, N] x.dtype
     config: W4A16Config | None = None,
     splitk_counters: torch.Tensor | None = None,  # int32 zeros, >= splitk_counter_len(N) (this layer's own)
+    mma_vec: int = 0,  # w_packed in w4a16_mma.tile_order(w, mma_vec) (0: row-major as stored)
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) -> [M, N] in x's dtype, float32 accumulation; int4 unpacked in-kernel.
+
+    Words in mma tile order (`mma_vec`) take the skinny and gemm tilings only: one row runs the
+    skinny tiling instead of the gemv (whose loads and probes are built on row-major words).
 
     With `splitk_counters` a split-K launch reduces its own partials (the last program of each tile
     adds them) instead of launching `_splitk_reduce_kernel`. The counters return to 0 after every
@@ -736,7 +773,11 @@ def w4a16_gemm(
     assert out.shape == (m, n) and out.stride(1) == 1
     if m == 0:
         return out
+    _check_mma_order(w_packed, mma_vec)
     cfg = config or pick_w4a16_config(m, n, k, group, sm_count_for(x), max_shared_memory(x))
+    if mma_vec and cfg.mode == "gemv":  # the gemv reads row-major words only: the skinny tiling of two rows
+        assert config is None, "the gemv tiling reads row-major words only, not mma tile order"
+        cfg = pick_w4a16_config(2, n, k, group, sm_count_for(x), max_shared_memory(x))
     bk = group_block_k(cfg.block_k, group, k)
     sub = cfg.sub_steps if cfg.mode == "gemv" else 1
     even_k = k % (bk * sub) == 0
@@ -750,8 +791,8 @@ def w4a16_gemm(
         _w4a16_gemm_kernel[grid](
             x, w_packed, w_scale, zp, bias_arg, out, *common, out.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, HAS_ZP=has_zp,
-            HAS_BIAS=has_bias, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            HAS_BIAS=has_bias, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, MMA_VEC=mma_vec,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
     k_per_split = cdiv(cdiv(k, cfg.split_k), bk * sub) * bk * sub
@@ -784,7 +825,7 @@ def w4a16_gemm(
             x, w_packed, w_scale, zp, bias_arg, out, part, locks, *common, out.stride(0), k_per_split, split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial,
-            DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k,
+            DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, MMA_VEC=mma_vec,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
         )  # fmt: skip
     if split > 1 and not serial:

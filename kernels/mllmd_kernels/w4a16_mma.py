@@ -1,8 +1,9 @@
 """w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
 
 The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight; this
-kernel turns two weights into mma.sync operands with one LOP3, reading the weights as compressed-tensors
-stores them (no re-layout, so the Triton paths for larger M share the tensors). Each warp walks its
+kernel turns two weights into mma.sync operands with one LOP3. It reads the packed words in
+`tile_order` (re-laid once at load: a warp's loads are contiguous runs; the Triton W4A16 kernels for
+larger M read the same order through their `mma_vec`, so both share one tensor). Each warp walks its
 slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one.
 One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and subtracts (136 + zero
 point) * sum(x) per group, with x staged once per CTA already in B-fragment order; fp16 and several
@@ -39,7 +40,7 @@ from mllmd_kernels.rmsnorm import NormInput
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
-ABI_VERSION = 9  # mllmd_w4a16_mma_abi() of a library this module can call
+ABI_VERSION = 10  # mllmd_w4a16_mma_abi() of a library this module can call
 MAX_ROWS = 8  # x rows: the MMA's 8 B columns
 MAX_WARPS = 8  # kMaxWarps in the source
 STAGE_K = 256  # columns of a warp's loop stage (kStageCols): K must be a multiple
@@ -82,6 +83,30 @@ def mma_layout(k: int, group: int) -> tuple[int, int] | None:
                 return None
             return vec, chunks.bit_length() - 1
     return None
+
+
+def _tile_view(w: torch.Tensor, vec: int, tiled: bool) -> torch.Tensor:
+    """w [N, K / 8] as 7-D: row-major (tile, half, r, stage, chunk, t, word) or tile order (tile, stage,
+    chunk, half, r, t, word); the same permutation maps either to the other."""
+    n, kw = w.shape
+    if n % 16 or kw % (STAGE_K // 8) or vec not in (1, 2, 4):
+        raise ValueError(f"mma tile order needs N % 16 == 0, K % {STAGE_K} == 0 and vec 1 / 2 / 4, got {tuple(w.shape)}, {vec}")
+    stages, chunks = kw // (STAGE_K // 8), 8 // vec
+    shape = (n // 16, stages, chunks, 2, 8, 4, vec) if tiled else (n // 16, 2, 8, stages, chunks, 4, vec)
+    return w.contiguous().view(shape)
+
+
+def tile_order(w_packed: torch.Tensor, vec: int) -> torch.Tensor:
+    """The packed words [N, K / 8] re-laid as the kernel reads them (same shape, contiguous): 16-row
+    tile by tile, 256-column stage by stage, and in a stage chunk by chunk (32 * vec columns), rows r
+    (0..7) then r + 8, lane (r, t), the lane's `vec` words; `vec` is mma_layout's. A warp's load is
+    then one contiguous run. The Triton W4A16 kernels read this order too (their `mma_vec`)."""
+    return _tile_view(w_packed, vec, False).permute(0, 3, 4, 1, 2, 5, 6).contiguous().view(w_packed.shape)
+
+
+def row_order(w_tiled: torch.Tensor, vec: int) -> torch.Tensor:
+    """The inverse of tile_order: the checkpoint's row-major words."""
+    return _tile_view(w_tiled, vec, True).permute(0, 3, 4, 1, 2, 5, 6).contiguous().view(w_tiled.shape)
 
 
 def supports(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -300,7 +325,7 @@ def _aligned(t: torch.Tensor, nbytes: int) -> bool:
 
 def w4a16_mma(
     x: torch.Tensor,  # [M, K] bf16 / fp16, M <= 8, unit last stride
-    w_packed: torch.Tensor,  # [N, K / 8] int32, unit last stride
+    w_packed: torch.Tensor,  # [N, K / 8] int32 in tile_order(w, mma_layout(K, group)[0]), contiguous
     w_scale: torch.Tensor,  # [N, G] float32 stored G-major: strides (1, N) (or [N, 1])
     w_zero_point: torch.Tensor | None = None,  # [N, G] int8, G-major like w_scale
     bias: torch.Tensor | None = None,  # [N] x.dtype, contiguous
@@ -309,8 +334,8 @@ def w4a16_mma(
     norm: NormInput | None = None,
     silu: bool = False,
 ) -> torch.Tensor:
-    """y = x @ dequant(W)^T (+ bias) on the tensor cores; callers check `supports` and
-    `unavailable_reason` first. Float32 sums; each group's sum is scaled once.
+    """y = x @ dequant(W)^T (+ bias) on the tensor cores, W's words in `tile_order`; callers check
+    `supports` and `unavailable_reason` first. Float32 sums; each group's sum is scaled once.
 
     Fusions, for one bf16 row (the offset form): `norm` makes x the input of that RMSNorm
     (`norm_fusable`), and `silu` returns silu(y[:, :N / 2]) * y[:, N / 2:] (a gate/up layer), each
@@ -322,8 +347,8 @@ def w4a16_mma(
     layout = mma_layout(k, group)
     if not supports(m, n, k, group, x.dtype) or layout is None:
         raise ValueError(f"w4a16_mma cannot run M={m} N={n} K={k} group={group} {x.dtype}")
-    if x.stride(1) != 1 or w_packed.stride(1) != 1 or w_packed.dtype != torch.int32 or kw != k // 8:
-        raise ValueError("w4a16_mma needs K-contiguous x and int32 w_packed [N, K / 8]")
+    if x.stride(1) != 1 or not w_packed.is_contiguous() or w_packed.dtype != torch.int32 or kw != k // 8:
+        raise ValueError("w4a16_mma needs K-contiguous x and contiguous int32 w_packed [N, K / 8] (in tile_order)")
     if w_scale.dtype != torch.float32 or w_scale.shape[0] != n or w_scale.stride(0) != 1 or (
         groups > 1 and w_scale.stride(1) != n
     ):

@@ -309,3 +309,35 @@ def test_narrow_scales_give_the_float32_bits_on_every_path() -> None:
         )
     with pytest.raises(AssertionError, match="torch.int32"):
         w4a16_gemm(randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g), packed, scale.to(torch.int32))
+
+
+# (M, N, K, group or None, asymmetric): words in w4a16_mma's tile order (16-row tiles, 256-column
+# stages) on the skinny tiling (one row takes it instead of the gemv) and the gemm tiling; every chunk
+# width (groups of 32 / 64 / 128+ columns: 1 / 2 / 4 words a lane).
+MMA_ORDER = [(1, 48, 512, 128, False), (3, 32, 256, 32, True), (17, 64, 512, 64, False), (70, 32, 768, None, True)]
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group", "asym"), MMA_ORDER)
+def test_w4a16_paths_read_mma_tile_order(m: int, n: int, k: int, group: int | None, asym: bool) -> None:
+    """mma_vec: the Triton paths read the CUDA kernel's tile_order (what CudaW4A16Kernel keeps on a
+    layer): the product equals the row-major words' (bit for bit where the tiling is the same), and so
+    does the dequantized weight; row-major words read as tile order would not."""
+    from mllmd_kernels import w4a16_mma as mma
+
+    g = torch.Generator().manual_seed(m * 131 + n + k)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    layout = mma.mma_layout(k, group or k)
+    assert layout is not None
+    vec = layout[0]
+    tiled = mma.tile_order(packed, vec)
+    assert not torch.equal(tiled, packed)
+    x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
+    out = w4a16_gemm(x, tiled, scale, zp, mma_vec=vec)
+    ref = w4a16_gemm_ref(x, packed, scale, zp)
+    assert rel_err(out, ref) < REL_TOL[torch.bfloat16]
+    if m > 1:
+        assert torch.equal(out, w4a16_gemm(x, packed, scale, zp))
+    assert rel_err(w4a16_gemm(x, packed, scale, zp, mma_vec=vec), ref) > 0.3  # the order matters
+    deq = w4a16_dequantize(tiled, scale, zp, k, torch.float32, mma_vec=vec)
+    assert torch.equal(deq, w4a16_dequantize(packed, scale, zp, k, torch.float32))
+    assert torch.equal(mma.row_order(tiled, vec), packed)

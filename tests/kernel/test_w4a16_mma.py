@@ -20,6 +20,14 @@ def _reason() -> str | None:
     return mma.unavailable_reason(torch.device("cuda"))
 
 
+def _tiled(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The row-major words (as the references read them) in the kernel's tile_order."""
+    k = packed.shape[1] * 8
+    layout = mma.mma_layout(k, k // scale.shape[1])
+    assert layout is not None
+    return mma.tile_order(packed, layout[0])
+
+
 pytestmark = pytest.mark.skipif(_reason() is not None, reason=f"w4a16_mma unavailable: {_reason()}")
 DEVICE = "cuda"
 # ||out - ref|| / ||ref|| against the exact float32 result: the kernel's weights are exact and its sums
@@ -50,7 +58,7 @@ def test_w4a16_mma_matches_float32_reference(
     packed, scale, zp = make_weights(n, k, group, asym, g)
     x = randn(m, k, dtype=dtype, device=DEVICE, gen=g)
     out = poisoned((m, n), dtype, DEVICE)
-    mma.w4a16_mma(x, packed, scale, zp, out=out)
+    mma.w4a16_mma(x, _tiled(packed, scale), scale, zp, out=out)
     torch.cuda.synchronize()
     assert not out.isnan().any(), "some outputs were never written"
     ref = w4a16_gemm_ref(x.float(), packed, scale, zp)
@@ -71,7 +79,7 @@ def test_w4a16_mma_every_launch_config(split: int, warps: int, m: int, group: in
     packed, scale, zp = make_weights(n, k, group, asym, g)
     x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
     out = poisoned((m, n), torch.bfloat16, DEVICE)
-    mma.w4a16_mma(x, packed, scale, zp, out=out, config=mma.MmaConfig(split, warps))
+    mma.w4a16_mma(x, _tiled(packed, scale), scale, zp, out=out, config=mma.MmaConfig(split, warps))
     ref = w4a16_gemm_ref(x.float(), packed, scale, zp)
     assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16]
 
@@ -88,8 +96,8 @@ def test_w4a16_mma_offset_form_with_a_large_common_x(group: int | None, asym: bo
     x = (randn(2, k, dtype=torch.float32, device=DEVICE, gen=g) * 0.05 + 4.0).to(torch.bfloat16)
     x[1] = x[0]
     ref = w4a16_gemm_ref(x[:1].float(), packed, scale, zp)
-    one = mma.w4a16_mma(x[:1], packed, scale, zp)  # offset form
-    two = mma.w4a16_mma(x, packed, scale, zp)  # exact form
+    one = mma.w4a16_mma(x[:1], _tiled(packed, scale), scale, zp)  # offset form
+    two = mma.w4a16_mma(x, _tiled(packed, scale), scale, zp)  # exact form
     assert rel_err(two[:1], ref) < TOL[torch.bfloat16]
     assert rel_err(one, ref) < TOL[torch.bfloat16], (rel_err(one, ref), rel_err(two[:1], ref))
 
@@ -105,7 +113,7 @@ def test_w4a16_mma_bias_and_strided_rows(dtype: torch.dtype) -> None:
     bias = randn(n, dtype=dtype, device=DEVICE, gen=g)
     out_buf = poisoned((m, n + 16), dtype, DEVICE)
     out = out_buf[:, :n]
-    mma.w4a16_mma(x, packed, scale, zp, bias, out=out)
+    mma.w4a16_mma(x, _tiled(packed, scale), scale, zp, bias, out=out)
     ref = w4a16_gemm_ref(x.float(), packed, scale, zp, bias.float())
     assert rel_err(out, ref) < TOL[dtype]
     assert out_buf[:, n:].isnan().all(), "wrote past its output columns"
@@ -118,7 +126,7 @@ def test_w4a16_mma_equals_triton_gemv_closely() -> None:
     g = torch.Generator().manual_seed(11)
     packed, scale, _ = make_weights(n, k, 128, False, g)
     x = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
-    a = mma.w4a16_mma(x, packed, scale)
+    a = mma.w4a16_mma(x, _tiled(packed, scale), scale)
     b = w4a16_gemm(x, packed, scale)
     assert rel_err(a, b) < 3e-3
 
@@ -129,6 +137,7 @@ def test_w4a16_mma_in_a_cuda_graph_with_pdl() -> None:
     n, k = 4096, 4096
     g = torch.Generator().manual_seed(3)
     packed, scale, _ = make_weights(n, k, 128, False, g)
+    packed = _tiled(packed, scale)  # before the capture
     x = torch.zeros(1, k, dtype=torch.bfloat16, device=DEVICE)
     src = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
     out = torch.empty(1, n, dtype=torch.bfloat16, device=DEVICE)
@@ -162,14 +171,14 @@ def test_w4a16_mma_applies_the_rmsnorm_before_it(n: int, k: int, group: int | No
     residual = randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g) if with_residual else None
     weight = (1 + 0.2 * randn(k, dtype=torch.float32, device=DEVICE, gen=g)).to(torch.bfloat16)
     norm = mma.NormInput(weight, 1e-6, residual, poisoned((1, k), torch.bfloat16, DEVICE) if with_residual else None)
-    out = mma.w4a16_mma(x, packed, scale, zp, norm=norm)
+    out = mma.w4a16_mma(x, _tiled(packed, scale), scale, zp, norm=norm)
     ref_in = rmsnorm_ref(x, weight, 1e-6, residual)
     normed = ref_in[0] if with_residual else ref_in
     if with_residual:
         assert torch.equal(norm.residual_out, x + residual)
     ref = w4a16_gemm_ref(normed.float(), packed, scale, zp)
     assert not out.isnan().any() and rel_err(out, ref) < TOL[torch.bfloat16]
-    apart = mma.w4a16_mma(rmsnorm(x, weight, 1e-6, residual)[0] if with_residual else rmsnorm(x, weight, 1e-6), packed, scale, zp)
+    apart = mma.w4a16_mma(rmsnorm(x, weight, 1e-6, residual)[0] if with_residual else rmsnorm(x, weight, 1e-6), _tiled(packed, scale), scale, zp)
     assert rel_err(out, apart) < 1e-3
 
 
@@ -191,8 +200,8 @@ def test_w4a16_mma_applies_silu_and_mul_after_it(
     x = randn(m, k, dtype=torch.bfloat16, device=DEVICE, gen=g)
     b = randn(n, dtype=torch.bfloat16, device=DEVICE, gen=g) if bias else None
     out = poisoned((m, n // 2), torch.bfloat16, DEVICE)
-    mma.w4a16_mma(x, packed, scale, zp, b, out=out, silu=True, config=config)
-    apart = silu_and_mul(mma.w4a16_mma(x, packed, scale, zp, b))
+    mma.w4a16_mma(x, _tiled(packed, scale), scale, zp, b, out=out, silu=True, config=config)
+    apart = silu_and_mul(mma.w4a16_mma(x, _tiled(packed, scale), scale, zp, b))
     full = w4a16_gemm_ref(x.float(), packed, scale, zp, b.float() if bias else None)
     ref = torch.nn.functional.silu(full[:, : n // 2]) * full[:, n // 2 :]
     assert not out.isnan().any()
@@ -208,9 +217,9 @@ def test_w4a16_mma_norm_and_silu_in_one_launch() -> None:
     x, residual = (randn(1, k, dtype=torch.bfloat16, device=DEVICE, gen=g) for _ in range(2))
     weight = torch.ones(k, dtype=torch.bfloat16, device=DEVICE)
     norm = mma.NormInput(weight, 1e-6, residual)
-    out = mma.w4a16_mma(x, packed, scale, norm=norm, silu=True)
+    out = mma.w4a16_mma(x, _tiled(packed, scale), scale, norm=norm, silu=True)
     normed, res = rmsnorm(x, weight, 1e-6, residual)
-    apart = silu_and_mul(mma.w4a16_mma(normed, packed, scale))
+    apart = silu_and_mul(mma.w4a16_mma(normed, _tiled(packed, scale), scale))
     assert torch.equal(norm.residual_out, res)
     assert out.shape == (1, n // 2) and rel_err(out, apart) < 1e-3
 
@@ -223,14 +232,14 @@ def test_w4a16_mma_refuses_fusions_it_cannot_run() -> None:
     weight = torch.ones(512, dtype=torch.bfloat16, device=DEVICE)
     x2 = randn(2, 512, dtype=torch.bfloat16, device=DEVICE, gen=g)
     with pytest.raises(ValueError, match="one bf16 row"):
-        mma.w4a16_mma(x2, packed, scale, norm=mma.NormInput(weight, 1e-6))
+        mma.w4a16_mma(x2, _tiled(packed, scale), scale, norm=mma.NormInput(weight, 1e-6))
     with pytest.raises(ValueError, match="one bf16 row"):
-        mma.w4a16_mma(x2, packed, scale, silu=True)
+        mma.w4a16_mma(x2, _tiled(packed, scale), scale, silu=True)
     x, r = x2[:1].clone(), x2[1:].clone()
     with pytest.raises(ValueError, match="residual_out"):
-        mma.w4a16_mma(x, packed, scale, norm=mma.NormInput(weight, 1e-6, r, r))
+        mma.w4a16_mma(x, _tiled(packed, scale), scale, norm=mma.NormInput(weight, 1e-6, r, r))
     odd_packed, odd_scale, _ = make_weights(48, 512, 128, False, g)
     with pytest.raises(ValueError, match="multiple of 32"):
-        mma.w4a16_mma(x, odd_packed, odd_scale, silu=True)
+        mma.w4a16_mma(x, _tiled(odd_packed, odd_scale), odd_scale, silu=True)
     with pytest.raises(ValueError, match="with silu"):
-        mma.w4a16_mma(x, packed, scale, silu=True, config=mma.MmaConfig(8, 8))
+        mma.w4a16_mma(x, _tiled(packed, scale), scale, silu=True, config=mma.MmaConfig(8, 8))

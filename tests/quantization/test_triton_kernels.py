@@ -484,7 +484,7 @@ def test_w4a16_model_decodes_on_the_cuda_kernel(tmp_path: Any) -> None:
     """A W4A16 model whose every projection the CUDA kernel takes (hidden 256): the engine picks
     CudaW4A16Kernel for each layer, decode steps launch it (eagerly, and captured in CUDA graphs with
     PDL), greedy tokens are the same with and without graphs, and each layer's one-row product is
-    within the output's rounding of the float32 reference."""
+    within the output's rounding of the float32 reference (of its words put back in row order)."""
     pytest.importorskip("compressed_tensors")
     from mllmd_kernels import w4a16_gemm_ref
 
@@ -516,7 +516,8 @@ def test_w4a16_model_decodes_on_the_cuda_kernel(tmp_path: Any) -> None:
             x = torch.randn(1, layer.in_features, generator=g).to(device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
                 out = layer.quant_method.kernel.apply(layer, x, None)
-            ref = w4a16_gemm_ref(x.float(), layer.weight_packed, layer.weight_scale, getattr(layer, "weight_zero_point", None))
+            words = mma.row_order(layer.weight_packed, layer.quant_method.kernel.mma_vec)  # kept in tile order
+            ref = w4a16_gemm_ref(x.float(), words, layer.weight_scale, getattr(layer, "weight_zero_point", None))
             assert rel_err(out, ref) < 3e-3
         del llm
     assert tokens[True] == tokens[False]

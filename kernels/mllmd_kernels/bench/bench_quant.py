@@ -267,9 +267,13 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
     if m <= mma.MAX_ROWS and DEVICE == "cuda" and mma.unavailable_reason(xs[0].device) is None:
-        # the CUDA tensor-core decode kernel (what CudaW4A16Kernel runs up to 8 rows), same weights
+        # the CUDA tensor-core decode kernel (what CudaW4A16Kernel runs up to 8 rows), the same weights
+        # in its tile order
+        vec = mma.mma_layout(k, GROUP)[0]  # type: ignore[index]
+        w4t = [mma.tile_order(w, vec) for w in w4]
+
         def run_mma(i: int, c: mma.MmaConfig | None = None) -> torch.Tensor:
-            return mma.w4a16_mma(xs[i], w4[i % sets4], s4[i % sets4], config=c)
+            return mma.w4a16_mma(xs[i], w4t[i % sets4], s4[i % sets4], config=c)
 
         cfg_mma = mma.pick_config(n, k, GROUP, sms)
         err = _rel(run_mma(0), ref4)
@@ -287,7 +291,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         emit(_line("w4a16_mma", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP,
                    config=cfg_mma.__dict__, **extra))  # fmt: skip
         if m == 1 and name in ("qkv", "gate_up"):
-            _w4a16_mma_fusions(name, n, k, xs, w4, s4, sets, copy_gbps, w4_bytes)
+            _w4a16_mma_fusions(name, n, k, xs, w4t, s4, sets, copy_gbps, w4_bytes)
     if m > 64:  # dequantize + cuBLAS (what TritonW4A16Kernel runs from DEQUANT_MIN_ROWS rows on), to compare
 
         def dq4(i: int) -> torch.Tensor:
@@ -301,7 +305,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
 def _w4a16_mma_fusions(name: str, n: int, k: int, xs: list[torch.Tensor], w4: list[torch.Tensor],
                        s4: list[torch.Tensor], sets: int, copy_gbps: float, w4_bytes: int) -> None:  # fmt: skip
     """One row: the layer's RMSNorm (and on gate/up silu(gate) * up) in the w4a16_mma launch, against
-    the separate rmsnorm / silu_and_mul launches the model runs without the fusions."""
+    the separate rmsnorm / silu_and_mul launches the model runs without the fusions (w4: tile order)."""
     g = torch.Generator(device=DEVICE).manual_seed(k)
     res = [torch.randn(1, k, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(sets)]
     weight = torch.rand(k, device=DEVICE, generator=g).to(torch.bfloat16) + 0.5

@@ -109,6 +109,8 @@ class TritonW8A8Kernel(QuantLinearKernel):
 class TritonW4A16Kernel(QuantLinearKernel):
     """W4A16 on CUDA: in-kernel int4 unpacking and group dequantization (decode and prefill tilings)."""
 
+    mma_vec = 0  # the layer's words in w4a16_mma.tile_order (CudaW4A16Kernel), else 0: row-major
+
     @classmethod
     def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
         if scheme.method != W4A16:
@@ -133,11 +135,14 @@ class TritonW4A16Kernel(QuantLinearKernel):
         zero_point = getattr(layer, "weight_zero_point", None)
         group = layer.in_features // layer.weight_scale.shape[1]
         if prefers_dequant(x2, layer.weight_packed.shape[0], group):  # prefill: dequantize once, then cuBLAS
-            w = w4a16_dequantize(layer.weight_packed, layer.weight_scale, zero_point, layer.in_features, x2.dtype)
+            w = w4a16_dequantize(
+                layer.weight_packed, layer.weight_scale, zero_point, layer.in_features, x2.dtype, mma_vec=self.mma_vec
+            )
             out = F.linear(x2, w, bias)
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
         out = w4a16_gemm(
-            x2, layer.weight_packed, layer.weight_scale, zero_point, bias, splitk_counters=layer.splitk_counters
+            x2, layer.weight_packed, layer.weight_scale, zero_point, bias, splitk_counters=layer.splitk_counters,
+            mma_vec=self.mma_vec,
         )
         return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
 
