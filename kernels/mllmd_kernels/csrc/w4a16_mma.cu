@@ -23,7 +23,12 @@
 // (no kernel writes the weights). On the H200 this was faster than a per-warp cp.async ring of
 // shared-memory stages (issue 7: Qwen3-8B batch-1 step 2.161-2.167 against 2.317 ms, one call), and
 // faster than asking L2 for 2 to 8 stages ahead as well (prefetch.global.L2 from the lanes of column
-// 0: gate/up 19.8-21.9 against 16.9 us, step 2.32-2.41 against 2.09 ms).
+// 0: gate/up 19.8-21.9 against 16.9 us, step 2.32-2.41 against 2.09 ms). Also slower on the H200
+// (issue 7, on tile-ordered words): a third register stage (126 registers, 2 CTAs an SM: gate/up
+// 19.5 against 15.9 us); x staged four vectors a thread at once (qkv 7.3 against 6.9 us, step 2.055
+// against 2.018 ms); and the offset form in fp16, x scaled per chunk (an fp16 mantissa takes a nibble
+// at bits [0, 4) and one at [4, 8), so two words need one shift instead of three: 358 instructions a
+// trip against 446, but 92 registers, or 80 with spills: gate/up 20.7 / 16.2 against 15.9 us).
 //
 // MMA operands: the A fragment of m16n8k16 gives lane (r, t) the K slots {2t, 2t + 1} and {2t + 8,
 // 2t + 9} of rows r and r + 8, and the B fragment gives it the same K slots of column r; any one-to-one
