@@ -185,7 +185,8 @@ if want qprofile; then  # where the quantized 8B spends its time: W8A8 prefill (
 fi
 
 if want dprofile; then  # batch-1 decode kernel tables of bf16 and the schemes, under $PROFILE_ENV (e.g.
-  # MLLMD_PDL=0: without PDL each kernel's time is its own, not overlapped with the one before)
+  # MLLMD_PDL=0: without PDL each kernel's time is its own, not overlapped with the one before), and
+  # each kernel's marginal time with PDL on (scripts/kernel_marginals.py: the 7 decode steps of 8 tokens)
   build Qwen3-8B $M8
   for q in bf16 ${QSCHEMES:-W8A8}; do
     path=/dev/shm/q8-$q; [ "$q" = bf16 ] && path=$M8
@@ -196,6 +197,7 @@ if want dprofile; then  # batch-1 decode kernel tables of bf16 and the schemes, 
       --output-len 8 --run-name "qwen3-8b-$q-decode-profile" --result-filename "$OUT/one_batch.jsonl" \
       --profile "$OUT/dprof-$q" 2>&1 | grep -E '^\{|Error' | cut -c1-300
     grep -E "kernel|Memcpy|Self CUDA time" "$OUT"/dprof-$q/*.txt | head -16 | cut -c1-70,141-250
+    python3 scripts/kernel_marginals.py "$OUT"/dprof-$q/*.json --steps 7 --top 16  # overlap-aware (PDL)
   done
   rm -f "$OUT"/dprof-*/*.json
 fi

@@ -28,7 +28,10 @@
 // 19.5 against 15.9 us); x staged four vectors a thread at once (qkv 7.3 against 6.9 us, step 2.055
 // against 2.018 ms); and the offset form in fp16, x scaled per chunk (an fp16 mantissa takes a nibble
 // at bits [0, 4) and one at [4, 8), so two words need one shift instead of three: 358 instructions a
-// trip against 446, but 92 registers, or 80 with spills: gate/up 20.7 / 16.2 against 15.9 us).
+// trip against 446, but 92 registers, or 80 with spills: gate/up 20.7 / 16.2 against 15.9 us); x copied
+// to shared memory with cp.async, every copy in flight at once (.cg: 4.2-6.5 us slower a launch; .ca:
+// within 0.2 us of the loads below); CTAs of 12 warps (down 12.3 against 11.8 us); and both register
+// stages loaded before the PDL wait with a 3-CTA launch bound (batch-1 step 2.21 against 2.02 ms).
 //
 // MMA operands: the A fragment of m16n8k16 gives lane (r, t) the K slots {2t, 2t + 1} and {2t + 8,
 // 2t + 9} of rows r and r + 8, and the B fragment gives it the same K slots of column r; any one-to-one
