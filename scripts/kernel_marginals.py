@@ -3,8 +3,9 @@
 With programmatic dependent launch a kernel starts while the one before it still runs, so the
 profiler's durations overlap and their sum overstates the step. Here kernels are taken in the order
 they end; each is charged only the time from the previous kernel's end (or its own start, if later)
-to its own end: its "marginal" time. Time with no kernel running is "idle" (the host between
-launches, copies). Marginals plus idle add up to the span exactly.
+to its own end: its "marginal" time. The rest of the span is "idle": the gaps between one kernel's end
+and the next one's start, which on one stream (a decode step) is time with no kernel running (the
+host between launches, copies). Marginals plus idle add up to the span exactly.
 
     python -m mllmd.bench.one_batch ... --profile DIR      # writes DIR/trace-*.json
     python3 scripts/kernel_marginals.py DIR/trace-bs1-in128-out9.json --steps 8
@@ -43,16 +44,14 @@ def marginals(events: list[dict]) -> Marginals:
     ks = sorted(events, key=lambda e: e["ts"] + e["dur"])
     if not ks:
         return Marginals(0.0, 0.0)
-    out = Marginals(span_us=ks[-1]["ts"] + ks[-1]["dur"] - min(e["ts"] for e in ks), idle_us=0.0)
+    first = min(e["ts"] for e in ks)
+    out = Marginals(span_us=ks[-1]["ts"] + ks[-1]["dur"] - first, idle_us=0.0)
     costs: dict[str, KernelCost] = defaultdict(KernelCost)
-    prev_end = None
+    prev_end = first
     for e in ks:
         start, end = e["ts"], e["ts"] + e["dur"]
-        if prev_end is None:
-            charged = end - start
-        else:
-            out.idle_us += max(0.0, start - prev_end)
-            charged = end - max(start, prev_end)
+        out.idle_us += max(0.0, start - prev_end)
+        charged = end - max(start, prev_end)
         c = costs[e["name"]]
         c.calls += 1
         c.marginal_us += charged

@@ -44,12 +44,14 @@ def test_overlapping_kernels_are_charged_the_span_they_add() -> None:
 
 
 def test_kernels_are_taken_in_the_order_they_end() -> None:
-    # a long kernel that started first but ends last is charged only what sticks out past the others
+    # a long kernel (another stream) that started first but ends last is charged only what sticks out
+    # past the others; the gaps before a and b count as idle although it covers them
     m = marginals([_k("long", 0.0, 20.0), _k("a", 1.0, 4.0), _k("b", 6.0, 4.0)])
     assert m.kernels["a"].marginal_us == pytest.approx(4.0)
     assert m.kernels["b"].marginal_us == pytest.approx(4.0)
     assert m.kernels["long"].marginal_us == pytest.approx(10.0)
-    assert m.idle_us == pytest.approx(1.0)  # 5 -> 6
+    assert m.idle_us == pytest.approx(2.0)  # 0 -> 1 and 5 -> 6
+    assert sum(c.marginal_us for c in m.kernels.values()) + m.idle_us == pytest.approx(m.span_us)
     assert marginals([]).span_us == 0.0
 
 
