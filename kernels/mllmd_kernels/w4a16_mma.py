@@ -6,8 +6,9 @@ kernel turns two weights into mma.sync operands with one LOP3. It reads the pack
 larger M read the same order through their `mma_vec`, so both share one tensor). Each warp walks its
 slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one.
 One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and subtracts (136 + zero
-point) * sum(x) per group, with x staged once per CTA already in B-fragment order; fp16 and several
-rows subtract the offset from each weight pair (one packed FMA) instead. For one bf16 row the launch
+point) * sum(x) per group, with x in shared memory in B-fragment order: staged once per CTA where the
+launch fuses the norm, else streamed by each warp a stage at a time (its own stages only); fp16 and
+several rows subtract the offset from each weight pair (one packed FMA) instead. For one bf16 row the launch
 can also apply the RMSNorm before the layer and silu(gate) * up after a gate/up layer (`NormInput`,
 `silu=True`): the decode step then runs no rmsnorm or silu_and_mul kernel beside it.
 
@@ -52,9 +53,10 @@ MAX_STAGES_PER_WARP = 8
 
 
 # Kernel variants (kExact ... in the source): EXACT is the kernel; the probes time parts of it (wrong
-# sums; bench only): PROBE_LOAD keeps only the weight loads, PROBE_COMPUTE all but the weight loads.
-EXACT, PROBE_LOAD, PROBE_COMPUTE = 0, 2, 3
-VARIANT_NAMES = {EXACT: "exact", PROBE_LOAD: "probe_load", PROBE_COMPUTE: "probe_compute"}
+# sums; bench only): PROBE_LOAD keeps only the weight loads, PROBE_COMPUTE all but the weight loads,
+# PROBE_NO_META all but the scales' loads.
+EXACT, PROBE_LOAD, PROBE_COMPUTE, PROBE_NO_META = 0, 2, 3, 4
+VARIANT_NAMES = {EXACT: "exact", PROBE_LOAD: "probe_load", PROBE_COMPUTE: "probe_compute", PROBE_NO_META: "probe_no_meta"}
 
 
 @dataclass(frozen=True)
@@ -142,8 +144,9 @@ def offset_form(m: int, dtype: torch.dtype) -> bool:
 def smem_bytes(m: int, k: int, vec: int, warps: int, dtype: torch.dtype) -> int:
     """Shared memory a launch needs (mllmd_w4a16_mma_smem in the source): the warps' split-K partials
     (16 x 8 floats each), and in the offset form x (K halves) with its float32 sum per chunk of 32 * vec
-    columns."""
-    x_bytes = 2 * k + (k // (32 * vec)) * 4 if offset_form(m, dtype) else 0
+    columns, or with vec 4 each warp's two 512-byte stage buffers (the streamed form) if that is more."""
+    staged, streamed = 2 * k + (k // (32 * vec)) * 4, warps * 1024 if vec == 4 else 0
+    x_bytes = max(staged, streamed) if offset_form(m, dtype) else 0
     return warps * 16 * 8 * 4 + x_bytes
 
 

@@ -131,10 +131,12 @@ def test_w4a16_mma_equals_triton_gemv_closely() -> None:
     assert rel_err(a, b) < 3e-3
 
 
-def test_w4a16_mma_in_a_cuda_graph_with_pdl() -> None:
+@pytest.mark.parametrize("k", [4096, 12288])
+def test_w4a16_mma_in_a_cuda_graph_with_pdl(k: int) -> None:
     """Captured (with PDL launches where the GPU has them) after another kernel, replayed on new
-    inputs: the same bits as an eager launch."""
-    n, k = 4096, 4096
+    inputs: the same bits as an eager launch. One bf16 row streams x a stage at a time after the
+    PDL wait (2 and 6 stages a warp here): every stage must see the x of this replay."""
+    n = 4096
     g = torch.Generator().manual_seed(3)
     packed, scale, _ = make_weights(n, k, 128, False, g)
     packed = _tiled(packed, scale)  # before the capture

@@ -283,7 +283,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
             cands = [mma.MmaConfig(sp, wa) for sp in (1, 2, 4, 8) for wa in (2, 4, 8)
                      if wa % sp == 0 and mma.valid_config(mma.MmaConfig(sp, wa), k, GROUP)]  # fmt: skip
             extra = _sweep("w4a16_mma", name, m, t, cfg_mma, cands, run_mma, sets, lambda out: _rel(out, ref4))
-            for v in (mma.EXACT, mma.PROBE_LOAD, mma.PROBE_COMPUTE):  # the default split, parts left out
+            for v in mma.VARIANT_NAMES:  # the default split, parts left out
                 c = mma.MmaConfig(cfg_mma.split, cfg_mma.warps, v)
                 tp = time_calls(lambda i, c=c: run_mma(i, c), sets)
                 emit(_line("w4a16_mma_probe", name, m, n, k, tp, None, w4_bytes, copy_gbps, variant=mma.VARIANT_NAMES[v],

@@ -30,8 +30,12 @@
 // at bits [0, 4) and one at [4, 8), so two words need one shift instead of three: 358 instructions a
 // trip against 446, but 92 registers, or 80 with spills: gate/up 20.7 / 16.2 against 15.9 us); x copied
 // to shared memory with cp.async, every copy in flight at once (.cg: 4.2-6.5 us slower a launch; .ca:
-// within 0.2 us of the loads below); CTAs of 12 warps (down 12.3 against 11.8 us); and both register
-// stages loaded before the PDL wait with a 3-CTA launch bound (batch-1 step 2.21 against 2.02 ms).
+// within 0.2 us of the loads below); CTAs of 12 warps (down 12.3 against 11.8 us); both register
+// stages loaded before the PDL wait with a 3-CTA launch bound (batch-1 step 2.21 against 2.02 ms);
+// three register stages, two loaded before the PDL wait (108 registers: down 11.8 against 11.4 us,
+// qkv 11.9 against 8.7, step 2.100 against 2.013 ms); and, for the whole-row staging, six of x's
+// vectors a thread loaded at once (down 10.9 against 11.1 us, but qkv 9.0 against 8.6 and the step
+// 2.056 against 2.022 ms).
 //
 // MMA operands: the A fragment of m16n8k16 gives lane (r, t) the K slots {2t, 2t + 1} and {2t + 8,
 // 2t + 9} of rows r and r + 8, and the B fragment gives it the same K slots of column r; any one-to-one
@@ -41,8 +45,15 @@
 // and (2, 6), (3, 7), and x's matching pairs are x's 8 columns in the order 0, 4, 1, 5, 2, 6, 3, 7.
 // Two ways to remove the offset 136 + zero point (1032 + zero point), both exact in the weights:
 //  * "offset" (one bf16 row, SUMX): the MMA multiplies the raw halves 128 + q + 8, and the group's sum
-//    subtracts (136 + zero point) * sum(x over the same columns). x is staged once per CTA in shared
-//    memory, already in B-fragment order, with its float32 sums per chunk. One LOP3 a weight pair.
+//    subtracts (136 + zero point) * sum(x over the same columns), x in shared memory in B-fragment
+//    order with its float32 sums per chunk. One LOP3 a weight pair. A launch with a fused norm stages
+//    the whole row once per CTA (the norm needs all of it first); one without (16-byte vectors)
+//    "streams" it: each warp stages only its own stages, one 512-byte stage at a time into a buffer
+//    of its own (a 16-byte vector a lane, loaded one stage ahead; the chunk sums from the same shuffle
+//    tree), with no CTA barrier. On the H200 staging the whole row cost the down projection 2.25 us a
+//    layer in the decode step (a probe without it: batch-1 step 1.930 against 2.013 ms); streamed, o
+//    and down take 5.2 / 9.4 against 5.6 / 11.2 us and the step 1.890-1.901 against 2.014 ms (issue 7;
+//    94 registers, 2 CTAs an SM: under a 3-CTA launch bound, 80 registers, it was slower, 2.079 ms).
 //  * "exact" (fp16, several rows): one packed FMA subtracts the offset from each pair before the MMA
 //    (fp16's offset would be 8x larger than bf16's against the same float32 sums), and x is loaded
 //    from global memory (L1) with two byte permutes a pair.
@@ -108,8 +119,9 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t w, uint32_t neg_bias) 
 }
 
 // Kernel variants: kExact is the kernel; the probes (bench only, wrong sums) time parts of it:
-// kProbeLoad keeps the weight copies and nothing else, kProbeCompute everything but the weight copies.
-constexpr int kExact = 0, kProbeLoad = 2, kProbeCompute = 3;
+// kProbeLoad keeps the weight copies and nothing else, kProbeCompute everything but the weight copies,
+// kProbeNoMeta everything but the scales' loads.
+constexpr int kExact = 0, kProbeLoad = 2, kProbeCompute = 3, kProbeNoMeta = 4;
 
 template <bool BF16>
 __device__ __forceinline__ void mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -252,7 +264,9 @@ __device__ __forceinline__ void load_trip(Trip<VEC, HAS_ZP>& tr, int stage, cons
       load_words<VEC>(&tr.lo[u * VEC], w_lo + u * kChunkWords<VEC>);
       load_words<VEC>(&tr.hi[u * VEC], w_hi + u * kChunkWords<VEC>);
     }
-    if constexpr (Trip<VEC, HAS_ZP>::kMeta) {
+    if constexpr (VARIANT == kProbeNoMeta) {
+      tr.s_lo[u] = tr.s_hi[u] = 1.0f;
+    } else if constexpr (Trip<VEC, HAS_ZP>::kMeta) {
       load_meta<HAS_ZP>(tr.s_lo[u], tr.s_hi[u], tr.z_lo[HAS_ZP ? u : 0], tr.z_hi[HAS_ZP ? u : 0], s_lo, z_lo, c, N,
                         gshift);
     }
@@ -260,9 +274,10 @@ __device__ __forceinline__ void load_trip(Trip<VEC, HAS_ZP>& tr, int stage, cons
 }
 
 // The MMAs of one stage, into the group sums `sum` (and the accumulator at each group's end).
-template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT>
+template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool STREAM = false>
 __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st, int s1, int chunks_per_group_mask,
-                                             const unsigned char* xs, const float* xsum, const uint16_t* x_row,
+                                             const unsigned char* xs_st, const float* xsum, const float (&xsc)[2],
+                                             const uint16_t* x_row,
                                              const float* s_row, const int8_t* z_row, uint32_t N, int gshift, int t,
                                              float (&sum)[4], float (&acc)[4], float& xs_acc, uint32_t& probe) {
   using T = Trip<VEC, HAS_ZP>;
@@ -273,7 +288,7 @@ __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st
     for (int i = 0; i < 8; ++i) probe ^= tr.lo[i] ^ tr.hi[i];
     return;
   }
-  const unsigned char* xs_stage = xs + st * 512 + t * 16;  // SUMX: 8 vectors x 4 lanes t a stage
+  const unsigned char* xs_stage = xs_st + t * 16;  // SUMX: this stage's x, 8 vectors x 4 lanes t
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = st * U + u;
@@ -312,7 +327,7 @@ __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st
                        dequant_pair<BF16>(lo >> 12, nb_lo), dequant_pair<BF16>(hi >> 12, nb_hi), b.z, b.w);
       }
     }
-    if constexpr (SUMX) xs_acc += xsum[c];
+    if constexpr (SUMX) xs_acc += STREAM ? xsc[u] : xsum[c];  // STREAM: VEC 4, U = 2
     if (((c + 1) & chunks_per_group_mask) == 0 || (st + 1 == s1 && u == U - 1)) {
       if constexpr (SUMX) {  // sum - (136 + zero point) * sum(x): the raw halves' offset
         const float off_lo = 136.0f + static_cast<float>(zp_lo);
@@ -331,6 +346,30 @@ __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st
       sum[0] = sum[1] = sum[2] = sum[3] = 0.f;
     }
   }
+}
+
+// Vector i's place among a chunk's vectors in B-fragment order (x staged for the offset form): lane t's
+// VEC vectors together, chunk by chunk.
+template <int VEC>
+__device__ __forceinline__ int place(int i) {
+  return (i / (4 * VEC) * VEC + i % (4 * VEC) % VEC) * 4 + i % (4 * VEC) / VEC;
+}
+
+// The streamed form (one bf16 row, no fusion, VEC 4): each warp stages only its own stages of x, one
+// stage (512 bytes: a 16-byte vector a lane) at a time into its own buffer, as it walks K; xv holds the
+// lane's vector of stage st, loaded one stage ahead, and is reloaded here with stage st + 1's. The
+// chunk sums come out of the same shuffle tree as the CTA's staging (the same bits).
+__device__ __forceinline__ void stream_x(uint4& xv, float (&xsc)[2], unsigned char* buf, const uint16_t* x, int st,
+                                         int s1, int lane) {
+  const uint4 v = fragment_order(xv);
+  reinterpret_cast<uint4*>(buf)[place<4>(lane)] = v;
+  float s = sum8_bf16(v);
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, o);
+  xsc[0] = __shfl_sync(0xFFFFFFFFu, s, 0);
+  xsc[1] = __shfl_sync(0xFFFFFFFFu, s, 16);
+  if (st + 1 < s1) xv = load_x(x + (static_cast<size_t>(st + 1) * 32 + lane) * 8);
+  __syncwarp();
 }
 
 // x + r for 8 bf16 each, rounded to bf16 (torch's x + residual).
@@ -433,8 +472,12 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   const uint32_t* w_hi = w_lo + 32 * VEC;
   const float* s_lo = scale + n_first + r;
   const int8_t* z_lo = HAS_ZP ? zero_point + n_first + r : nullptr;
-  unsigned char* xs = smem + warps * 16 * 8 * sizeof(float);  // SUMX: x
+  unsigned char* xs = smem + warps * 16 * 8 * sizeof(float);  // SUMX: x (streamed: the warps' stage buffers)
   float* xsum = reinterpret_cast<float*>(xs + K * 2);  // SUMX: x's sum over each chunk
+  // The streamed form: one bf16 row without a fused norm (which needs the whole row first), 16-byte
+  // vectors (two chunks a stage, each a half-warp's 16 vectors).
+  constexpr bool kStream = SUMX && !FUSE && VEC == 4;
+  unsigned char* xbuf = xs + warp * 1024;  // kStream: this warp's two 512-byte stage buffers
 
   // Two stages in registers: one multiplied while the next loads (they alternate: no copies). The first
   // is loaded before the PDL wait (the weights are no kernel's output). Loading the second there too was
@@ -443,11 +486,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   if (s0 < s1) load_trip<VEC, HAS_ZP, VARIANT>(ta, s0, w_lo, w_hi, s_lo, z_lo, N, gshift);
   pdl_wait_and_release();
 
-  if constexpr (SUMX) {  // x (one row) in B-fragment order, and its sums per chunk, for the whole CTA
+  if constexpr (SUMX && !kStream) {  // x (one row) in B-fragment order, and its sums per chunk, for the whole CTA
     uint4* xs_vec = reinterpret_cast<uint4*>(xs);
     const int vecs = K / 8;  // 16-byte vectors: 4 * VEC a chunk (lane t's VEC vectors, t = 0..3)
-    // Vector i's place: chunk c's vectors in B-fragment order, lane t's VEC of them together.
-    auto place = [](int i) { return (i / (4 * VEC) * VEC + i % (4 * VEC) % VEC) * 4 + i % (4 * VEC) / VEC; };
+    auto place = [](int i) { return ::place<VEC>(i); };
     float rinv = 0.f;
     if constexpr (FUSE) {
       if (fuse.norm_weight != nullptr) {  // the norm's input (x + residual) in place, and its mean square
@@ -498,17 +540,26 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   float sum[4] = {0.f, 0.f, 0.f, 0.f};  // the current group's MMA sums
   float xs_acc = 0.f;  // SUMX: x's sum over the columns in `sum`
   uint32_t probe = 0;  // kProbeLoad
+  uint4 xv;  // kStream: the lane's vector of the next stage's x
+  float xsc[2] = {0.f, 0.f};  // kStream: the staged stage's chunk sums
+  if constexpr (kStream) {
+    if (s0 < s1) xv = load_x(x + (static_cast<size_t>(s0) * 32 + lane) * 8);
+  }
   for (int st = s0; st < s1; st += 2) {  // two stages a trip: the registers alternate
     if (st + 1 < s1)
       load_trip<VEC, HAS_ZP, VARIANT>(tb, st + 1, w_lo + kStageWords, w_hi + kStageWords, s_lo, z_lo, N, gshift);
-    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT>(ta, st, s1, chunks_per_group_mask, xs, xsum, x_row, s_lo, z_lo, N,
-                                                  gshift, t, sum, acc, xs_acc, probe);
+    if constexpr (kStream) stream_x(xv, xsc, xbuf, x, st, s1, lane);
+    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT, kStream>(ta, st, s1, chunks_per_group_mask,
+                                                           kStream ? xbuf : xs + st * 512, xsum, xsc, x_row, s_lo,
+                                                           z_lo, N, gshift, t, sum, acc, xs_acc, probe);
     if (st + 1 >= s1) break;
     if (st + 2 < s1)
       load_trip<VEC, HAS_ZP, VARIANT>(ta, st + 2, w_lo + 2 * kStageWords, w_hi + 2 * kStageWords, s_lo, z_lo, N,
                                       gshift);
-    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT>(tb, st + 1, s1, chunks_per_group_mask, xs, xsum, x_row, s_lo, z_lo,
-                                                  N, gshift, t, sum, acc, xs_acc, probe);
+    if constexpr (kStream) stream_x(xv, xsc, xbuf + 512, x, st + 1, s1, lane);
+    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT, kStream>(tb, st + 1, s1, chunks_per_group_mask,
+                                                           kStream ? xbuf + 512 : xs + (st + 1) * 512, xsum, xsc,
+                                                           x_row, s_lo, z_lo, N, gshift, t, sum, acc, xs_acc, probe);
     w_lo += 2 * kStageWords;
     w_hi += 2 * kStageWords;
   }
@@ -560,10 +611,12 @@ struct Args {
   cudaStream_t stream;
 };
 
-// Shared memory a launch needs (bytes): the warps' split-K partials, and (SUMX) x with its chunk sums.
+// Shared memory a launch needs (bytes): the warps' split-K partials, and (SUMX) x with its chunk sums,
+// or (the streamed form, VEC 4) each warp's two 512-byte stage buffers, whichever is larger.
 template <int VEC, bool SUMX>
 int smem_bytes(int warps, int K) {
-  return warps * 16 * 8 * 4 + (SUMX ? K * 2 + (K / (32 * VEC)) * 4 : 0);
+  const int staged = K * 2 + (K / (32 * VEC)) * 4, streamed = VEC == 4 ? warps * 1024 : 0;
+  return warps * 16 * 8 * 4 + (SUMX ? (staged > streamed ? staged : streamed) : 0);
 }
 
 template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE = false>
@@ -625,6 +678,7 @@ cudaError_t launch(const Args& a) {
   if constexpr (BF16 && VEC == 4 && !HAS_ZP) {  // the probes: bf16, 16-byte vectors, symmetric
     if (a.variant == kProbeLoad) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeLoad>(a);
     if (a.variant == kProbeCompute) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeCompute>(a);
+    if (a.variant == kProbeNoMeta) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeNoMeta>(a);
   }
   return cudaErrorInvalidValue;
 }
