@@ -489,7 +489,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   if constexpr (SUMX && !kStream) {  // x (one row) in B-fragment order, and its sums per chunk, for the whole CTA
     uint4* xs_vec = reinterpret_cast<uint4*>(xs);
     const int vecs = K / 8;  // 16-byte vectors: 4 * VEC a chunk (lane t's VEC vectors, t = 0..3)
-    auto place = [](int i) { return ::place<VEC>(i); };
     float rinv = 0.f;
     if constexpr (FUSE) {
       if (fuse.norm_weight != nullptr) {  // the norm's input (x + residual) in place, and its mean square
@@ -500,7 +499,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
             v = add_bf16x8(v, load_x(fuse.residual + 8 * i));
             if (blockIdx.x == 0) *reinterpret_cast<uint4*>(fuse.residual_out + 8 * i) = v;
           }
-          xs_vec[place(i)] = fragment_order(v);
+          xs_vec[place<VEC>(i)] = fragment_order(v);
           ss += sumsq8_bf16(v);
         }
 #pragma unroll
@@ -521,11 +520,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
       if (i < vecs) {
         uint4 v;
         if (FUSE && fuse.norm_weight != nullptr) {  // its own vector from the pass above, normed
-          v = norm_bf16x8(xs_vec[place(i)], fragment_order(load_const(fuse.norm_weight + 8 * i)), rinv);
+          v = norm_bf16x8(xs_vec[place<VEC>(i)], fragment_order(load_const(fuse.norm_weight + 8 * i)), rinv);
         } else {
           v = fragment_order(load_x(x + 8 * i));
         }
-        xs_vec[place(i)] = v;
+        xs_vec[place<VEC>(i)] = v;
         s = sum8_bf16(v);
       }
 #pragma unroll
