@@ -11,6 +11,19 @@ Two stages (split-KV, as in SGLang/vLLM Triton decode):
 
 The split length is computed on the device from seq_lens (rounded up to BLOCK_N), so NUM_SPLITS is
 the only launch parameter and the launch is CUDA-graph friendly; empty splits are skipped.
+
+Measured on the H200 and not kept (Qwen3-8B heads, one request; RoPE launch + both stages in a CUDA
+graph with PDL, us at 192 tokens unless said; the model's batch-1 W4A16 step in ms, 1.890 before):
+* one launch, the last split of each KV head to finish merging the partials (an arrival counter, as
+  the split-K GEMM does): 9.9 against 6.0 (stage 1 + 2 alone); step 2.211. The merge runs serially
+  in one program, where stage 2 spreads it over Hq programs;
+* QK-norm + RoPE + the K/V store inside stage 1 (no RoPE launch): 8.5 against 7.9; step 2.00-2.13.
+  The step's own k must reach the pool before the split that holds it reads it, which lengthens
+  that program's chain more than the launch it saves (PDL already hides most of a launch);
+* more programs for a short sequence: 32-token tiles, 7.1 against 8.1, but 9.4 against 8.6 at
+  1,000 tokens and 40 against 29 at 16,000; 128-token tiles with splits in multiples of 32 tokens
+  (both with the early reads of _triton.py), 6.5 against 6.7, but 11.0 against 7.3 at 1,000 tokens,
+  and the step only 1-4 us faster.
 """
 
 from __future__ import annotations
@@ -70,15 +83,20 @@ def _decode_attention_stage1_kernel(
     DOT_F32: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # Before the PDL wait (see _triton.py): the batch's lengths, rows and its first tile of slots. The
+    # kernel before this one (RoPE or the K/V store) writes none of them; every kernel before that has
+    # finished by the time this one starts.
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     row = tl.load(req_pool_indices_ptr + b).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    offs_first = start + tl.arange(0, BLOCK_N)
+    first_slots = tl.load(req_to_token_ptr + row * stride_rt + offs_first, mask=offs_first < end, other=0).to(tl.int64)
+    pdl_sync(USE_PDL)
     if start < end:
         offs_g = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
@@ -97,7 +115,9 @@ def _decode_attention_stage1_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
-            slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n, other=0).to(tl.int64)
+            first = offs_n < start + BLOCK_N  # all lanes in the first tile, none after
+            slots = tl.load(req_to_token_ptr + row * stride_rt + offs_n, mask=mask_n & ~first, other=0)
+            slots = tl.where(first, first_slots, slots.to(tl.int64))  # the first tile's: loaded before the wait
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_ptr + slots[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
             if DOT_F32:
@@ -138,10 +158,10 @@ def _decode_attention_stage2_kernel(
     USE_PDL: tl.constexpr,
     WRITE_AMAX: tl.constexpr = False,  # each program also stores max |output| of its head
 ):
-    pdl_sync(USE_PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)  # before the PDL wait: stage 1 does not write it
+    pdl_sync(USE_PDL)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, BLOCK_D)

@@ -79,7 +79,8 @@ def _rope_kernel(
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)
+    # Until the PDL wait below: only reads of what the kernel before this one (the qkv projection)
+    # does not write: positions, slots, the cos/sin caches and the norm weights (see _triton.py).
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # head block: the first cdiv(Hq, BLOCK_HEADS) blocks are q heads, the rest k heads
     q_blocks = tl.cdiv(Hq, BLOCK_HEADS)
@@ -108,28 +109,32 @@ def _rope_kernel(
     mask = (heads < num_heads)[:, None] & mask_d[None, :]  # [BLOCK_HEADS, BLOCK]
     src_ptrs = src + heads[:, None] * src_h + offs[None, :]
     dst_ptrs = dst + heads[:, None] * dst_h + offs[None, :]
-    x1 = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)  # first halves
-    x2 = tl.load(src_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)  # second halves
-    if STORE_KV:
-        if j >= q_blocks:  # the same heads of v, unchanged, into the V cache
-            v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-            v_dst = v_cache_ptr + tl.load(loc_ptr + t) * stride_vc + heads[:, None] * dst_h + offs[None, :]  # rows of D
-            tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
-    if HAS_NORM:
-        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)  # [BLOCK_HEADS]
-        rstd = tl.rsqrt(var + eps)[:, None]
-        w1 = tl.load(w_ptr + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        x1 = (x1 * rstd).to(src.dtype.element_ty).to(tl.float32)
-        x2 = (x2 * rstd).to(src.dtype.element_ty).to(tl.float32)
-        x1 = (w1 * x1).to(dst.dtype.element_ty).to(tl.float32)
-        x2 = (w2 * x2).to(dst.dtype.element_ty).to(tl.float32)
     pos = tl.load(pos_ptr + t)
     c1 = tl.load(cos_ptr + pos * stride_cos + offs, mask=mask_d, other=0.0)
     c2 = tl.load(cos_ptr + pos * stride_cos + HALF + offs, mask=mask_d, other=0.0)
     s1 = tl.load(sin_ptr + pos * stride_sin + offs, mask=mask_d, other=0.0)
     s2 = tl.load(sin_ptr + pos * stride_sin + HALF + offs, mask=mask_d, other=0.0)
+    if HAS_NORM:
+        w1 = tl.load(w_ptr + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    if STORE_KV:
+        v_loc = tl.load(loc_ptr + t)
+    pdl_sync(USE_PDL)
+    x1 = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)  # first halves
+    x2 = tl.load(src_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)  # second halves
+    if STORE_KV:
+        if j >= q_blocks:  # the same heads of v, unchanged, into the V cache
+            v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
+            v_dst = v_cache_ptr + v_loc * stride_vc + heads[:, None] * dst_h + offs[None, :]  # rows of D
+            tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if HAS_NORM:
+        var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)  # [BLOCK_HEADS]
+        rstd = tl.rsqrt(var + eps)[:, None]
+        x1 = (x1 * rstd).to(src.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rstd).to(src.dtype.element_ty).to(tl.float32)
+        x1 = (w1 * x1).to(dst.dtype.element_ty).to(tl.float32)
+        x2 = (w2 * x2).to(dst.dtype.element_ty).to(tl.float32)
     c1 = c1.to(dst.dtype.element_ty).to(tl.float32)[None, :]  # the torch module casts cos/sin first
     c2 = c2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
     s1 = s1.to(dst.dtype.element_ty).to(tl.float32)[None, :]

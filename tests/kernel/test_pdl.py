@@ -94,6 +94,78 @@ def test_int8_gemv_touches_only_weight_lines_before_the_pdl_wait(fuse: bool, blo
     assert not any("prefetch" in line for line in lines[wait:]), "the prefetch belongs before the wait"
 
 
+def _kernel_ptx(kernel, constexprs: dict, types: dict[str, str], num_warps: int = 4, **options) -> list[str]:
+    """PTX lines of a Triton kernel compiled offline for sm_90 with USE_PDL: every argument not in
+    `constexprs` typed from `types` by name (pointers default to *fp32, other arguments to i32)."""
+    import inspect
+
+    from mllmd_kernels.testing import compile_ptx
+
+    constexprs = {**constexprs, "USE_PDL": True}
+    names = list(inspect.signature(kernel.fn).parameters)
+    sig = {n: types.get(n, "*fp32" if n.endswith("_ptr") else "i32") for n in names if n not in constexprs}
+    ordered = {n: constexprs[n] for n in names if n in constexprs}  # in the kernel's parameter order
+    return compile_ptx(kernel, sig, ordered, 90, num_warps, **options).splitlines()
+
+
+def _before_wait(lines: list[str]) -> tuple[list[str], list[str]]:
+    """(global loads, global stores / atomics / async copies) before griddepcontrol.wait."""
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    before = lines[:wait]
+    loads = [line.strip() for line in before if re.search(r"\bld\.global", line)]
+    writes = [line.strip() for line in before if re.search(r"\b(st|atom|red)\.global|\bcp\.async", line)]
+    return loads, writes
+
+
+PDL_OFFLINE = pytest.mark.skipif(
+    not _triton_has_launch_pdl() or kt.interpreting(),
+    reason="an offline compile: needs a Triton that launches with PDL (3.4+), not its interpreter",
+)
+
+
+@PDL_OFFLINE
+def test_rope_reads_only_step_constants_before_the_pdl_wait() -> None:
+    """Under PDL the RoPE kernel reads the positions, slots, cos/sin rows and QK-norm weights (which
+    the qkv projection before it does not write) before griddepcontrol.wait, so their latency
+    overlaps that kernel's tail; it reads q/k/v only after it and writes nothing before it."""
+    from mllmd_kernels.rope import _rope_kernel
+
+    types = {"pos_ptr": "*i64", "loc_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
+             "k_out_ptr": "*bf16", "v_ptr": "*bf16", "v_cache_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
+             "eps": "fp32"}  # fmt: skip
+    lines = _kernel_ptx(_rope_kernel, dict(HAS_NORM=True, STORE_KV=True, BLOCK_HEADS=8, BLOCK=64), types)
+    loads, writes = _before_wait(lines)
+    assert not writes, f"global memory written before griddepcontrol.wait: {writes}"
+    # pos, loc, the four cos/sin halves and the two weight halves: one load instruction a thread each
+    assert len(loads) >= 8, loads
+    after = lines[next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line) :]
+    after_loads = [line.strip() for line in after if re.search(r"\bld\.global", line)]
+    assert 2 <= len(after_loads) <= 4, f"after the wait only the rows' two halves of q/k and of v: {after_loads}"
+
+
+@PDL_OFFLINE
+def test_decode_attention_reads_only_the_batch_table_before_the_pdl_wait() -> None:
+    """Stage 1 reads the sequence lengths, request rows and its first tile of slots before
+    griddepcontrol.wait (no kernel of a layer writes them), but q and the K/V pool (which the RoPE
+    kernel before it writes) only after; stage 2 reads only the lengths before it. Neither writes
+    anything, nor starts an async copy, before the wait."""
+    from mllmd_kernels.decode_attention import (
+        _decode_attention_stage1_kernel,
+        _decode_attention_stage2_kernel,
+    )
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "req_to_token_ptr": "*i64",
+             "req_pool_indices_ptr": "*i64", "seq_lens_ptr": "*i64", "scale": "fp32", "out_ptr": "*bf16"}  # fmt: skip
+    stage1 = dict(GROUP=4, NUM_SPLITS=32, BLOCK_H=16, BLOCK_N=128, BLOCK_D=128, DOT_F32=False)
+    loads, writes = _before_wait(_kernel_ptx(_decode_attention_stage1_kernel, stage1, types, num_stages=2))
+    assert not writes, f"stage 1 writes or copies before griddepcontrol.wait: {writes}"
+    # one 64-bit load a thread each of the length, the row and the first tile's slots: no q, K or V data
+    assert len(loads) == 3 and all(re.search(r"ld\.global\.b64 ", line) for line in loads), loads
+    stage2 = dict(NUM_SPLITS=32, SPLITS_P2=32, BLOCK_N=128, BLOCK_D=128, WRITE_AMAX=True)
+    loads, writes = _before_wait(_kernel_ptx(_decode_attention_stage2_kernel, stage2, types))
+    assert not writes and len(loads) == 1, (loads, writes)
+
+
 @pytest.mark.parametrize("capability", [(8, 7), (9, 0)])
 @pytest.mark.parametrize("env", [None, "0"])
 def test_pdl_needs_sm90_a_triton_with_launch_pdl_and_not_mllmd_pdl_0(
