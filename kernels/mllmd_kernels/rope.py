@@ -84,6 +84,8 @@ def _rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)  # head block: the first cdiv(Hq, BLOCK_HEADS) blocks are q heads, the rest k heads
     q_blocks = tl.cdiv(Hq, BLOCK_HEADS)
+    if STORE_KV:
+        slot = tl.load(loc_ptr + t)  # the token's row in the K and V caches
     if j < q_blocks:
         h0 = j * BLOCK_HEADS
         num_heads = Hq
@@ -98,7 +100,7 @@ def _rope_kernel(
         src = k_ptr + t * stride_kt
         src_h = stride_kh
         if STORE_KV:
-            dst = k_out_ptr + tl.load(loc_ptr + t) * stride_kot
+            dst = k_out_ptr + slot * stride_kot
         else:
             dst = k_out_ptr + t * stride_kot
         dst_h = stride_koh
@@ -117,15 +119,13 @@ def _rope_kernel(
     if HAS_NORM:
         w1 = tl.load(w_ptr + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + offs, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    if STORE_KV:
-        v_loc = tl.load(loc_ptr + t)
     pdl_sync(USE_PDL)
     x1 = tl.load(src_ptrs, mask=mask, other=0.0).to(tl.float32)  # first halves
     x2 = tl.load(src_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)  # second halves
     if STORE_KV:
         if j >= q_blocks:  # the same heads of v, unchanged, into the V cache
             v_src = v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs[None, :]
-            v_dst = v_cache_ptr + v_loc * stride_vc + heads[:, None] * dst_h + offs[None, :]  # rows of D
+            v_dst = v_cache_ptr + slot * stride_vc + heads[:, None] * dst_h + offs[None, :]  # rows of D
             tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
     if HAS_NORM:
