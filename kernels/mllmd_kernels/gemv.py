@@ -91,7 +91,7 @@ def _gemv_kernel(
             x_ptrs += BLOCK_K
         y = tl.sum(acc, axis=1)  # [BLOCK_N]
         if not IS_SPLIT:
-            tl.store(y_ptr + offs_n, y.to(y_ptr.dtype.element_ty), mask=mask_n)
+            tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask_n)
         else:
             tl.store(part_ptr + pid_k * N + offs_n, y, mask=mask_n)
     else:
@@ -113,7 +113,8 @@ def _gemv_kernel(
         ym = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
         out_mask = mask_m[:, None] & mask_n[None, :]
         if not IS_SPLIT:
-            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], ym.to(y_ptr.dtype.element_ty), mask=out_mask)
+            y = ym.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)  # rounded to x's dtype first (float32 out)
+            tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y, mask=out_mask)
         else:
             tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], ym, mask=out_mask)
 
@@ -172,7 +173,8 @@ def _skinny_gemm_kernel(
         x_ptrs += BLOCK_K
     out_mask = mask_n[:, None] & mask_m[None, :]
     if not IS_SPLIT:
-        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+        y = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)  # rounded to x's dtype first (float32 out)
+        tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=out_mask)
     else:
         tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
 
@@ -186,6 +188,8 @@ def _gemv_reduce_kernel(
     stride_ym,
     SPLIT_K,
     BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,  # round the sums to bf16 / fp16 before storing (x's dtype; y may be float32)
+    ROUND_FP16: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     pdl_sync(USE_PDL)
@@ -195,6 +199,10 @@ def _gemv_reduce_kernel(
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for s in range(0, SPLIT_K):  # fixed order: deterministic
         acc += tl.load(part_ptr + s * M * N + m * N + offs, mask=mask, other=0.0)
+    if ROUND_BF16:
+        acc = acc.to(tl.bfloat16).to(tl.float32)
+    if ROUND_FP16:
+        acc = acc.to(tl.float16).to(tl.float32)
     tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -228,17 +236,19 @@ def with_auto_split(cfg: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig
 def gemv(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
-    out: torch.Tensor | None = None,  # [M, N]
+    out: torch.Tensor | None = None,  # [M, N], x's dtype or float32
     config: GemvConfig | None = None,
 ) -> torch.Tensor:
     """y = x @ weight^T for small M (1..64; use cuBLAS beyond) with Triton; fp32 accumulation, output
-    in x's dtype."""
+    in x's dtype, or in a float32 `out` holding exactly those values (gemv(x, w).float() without the
+    copy: the decode step's logits)."""
     assert x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]
     assert x.stride(1) == 1 and weight.stride(1) == 1, "gemv needs K-contiguous x and weight"
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert out.dtype in (x.dtype, torch.float32) and out.shape == (m, n) and out.stride(1) == 1
     if m == 0:
         return out
     cfg = config or pick_gemv_config(m, n, k, sm_count_for(x), x.dtype)
@@ -266,6 +276,7 @@ def gemv(
     if split > 1:
         block = min(1024, next_pow2(n))
         _gemv_reduce_kernel[(cdiv(n, block), m)](
-            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, **pdl_args(x)
+            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16,
+            ROUND_FP16=x.dtype == torch.float16, **pdl_args(x)
         )
     return out

@@ -234,8 +234,9 @@ class Qwen3ForCausalLM(nn.Module):
         """Float32 logits [N, V] for the given rows only (the positions that sample)."""
         if self.lm_head is not None and self.lm_head.quant_method is not None:  # a quantized lm_head
             return self.lm_head(hidden).float()
-        if use_gemv(hidden):
-            return gemv(hidden, self.lm_head_weight).float()
+        if use_gemv(hidden):  # float32 straight from the kernel (the bf16 values, no copy launch)
+            out = hidden.new_empty((hidden.shape[0], self.lm_head_weight.shape[0]), dtype=torch.float32)
+            return gemv(hidden, self.lm_head_weight, out=out)
         return torch.matmul(hidden, self.lm_head_weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

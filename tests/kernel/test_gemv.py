@@ -59,3 +59,19 @@ def test_gemv_split_k_and_tiles(cfg: GemvConfig, dtype: torch.dtype) -> None:
     out = gemv(x, w, config=cfg)
     assert out.shape == (m, n) and not out.isnan().any()
     assert rel_err(out, gemv_ref(x.float(), w.float())) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"m{c.block_m}n{c.block_n}k{c.block_k}s{c.split_k}")
+def test_gemv_float32_out_is_the_rounded_output(cfg: GemvConfig, dtype: torch.dtype) -> None:
+    """A float32 `out` (the decode step's logits) holds exactly gemv(x, w).float(): the same values,
+    rounded to x's dtype, without a copy launch; every tiling, split-K included."""
+    m = 1 if cfg.block_m == 1 else min(cfg.block_m - 1, 13)
+    n, k = 50, 232
+    g = torch.Generator().manual_seed(cfg.block_n * 100 + cfg.split_k + 7)
+    x = randn(m, k, dtype=dtype, device=DEVICE, gen=g)
+    w = randn(n, k, dtype=dtype, device=DEVICE, gen=g, scale=k**-0.5)
+    out = poisoned((m, n), torch.float32, DEVICE)
+    assert gemv(x, w, out=out, config=cfg) is out
+    assert torch.equal(out, gemv(x, w, config=cfg).float())
+    assert torch.equal(out, out.to(dtype).float()), "values must be representable in x's dtype"
