@@ -8,6 +8,7 @@ tensors for development.
 from mllmd_kernels._triton import HAS_TRITON, interpreting, pdl_launches, triton_available, triton_runnable
 from mllmd_kernels.activation import silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
 from mllmd_kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
+from mllmd_kernels.decode_inputs import decode_inputs, decode_inputs_ref
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
 from mllmd_kernels.gemv import GemvConfig, gemv, gemv_ref, pick_gemv_config
 from mllmd_kernels.int8_gemm import (
@@ -24,7 +25,13 @@ from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
 from mllmd_kernels.kv_indices import kv_indices, kv_indices_ref
 from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_int8, rmsnorm_int8_ref, rmsnorm_ref
 from mllmd_kernels.rope import rope, rope_ref
-from mllmd_kernels.sampling import gumbel_argmax, gumbel_argmax_ref
+from mllmd_kernels.sampling import (
+    GreedyWorkspace,
+    greedy_argmax,
+    greedy_argmax_ref,
+    gumbel_argmax,
+    gumbel_argmax_ref,
+)
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
 from mllmd_kernels.w4a16_gemm import (
     SCALE_DTYPES,
@@ -48,6 +55,8 @@ __all__ = [
     "SCALE_DTYPES",
     "W4A16Config",
     "decode_attention",
+    "decode_inputs",
+    "decode_inputs_ref",
     "decode_attention_ref",
     "decode_num_splits",
     "dequantize_int4_ref",
@@ -55,6 +64,9 @@ __all__ = [
     "extend_attention_ref",
     "gemv",
     "gemv_ref",
+    "GreedyWorkspace",
+    "greedy_argmax",
+    "greedy_argmax_ref",
     "gumbel_argmax",
     "gumbel_argmax_ref",
     "int8_gemm",

@@ -1,11 +1,16 @@
 """CUDA graphs for decode steps: capture once per batch size, pad each step to the next captured size.
 
-A decode step of B requests runs the graph captured for the smallest size S >= B. The graph reads
-its inputs from static buffers (token ids, positions, KV slots, request rows, sequence lengths) that
-the step fills with one device-to-device copy; rows B..S-1 are padding: token 0 at position 0,
-writing its K/V to the reserved pool slot 0 and attending over one token of request row 0 (reads
-only), so they change nothing another request can see. Logits of all S rows come out of the graph;
-the step uses the first B.
+A decode step of B requests runs the graph captured for the smallest size S >= B. Each graph reads its
+inputs from a static buffer of its own, int64 [6, S], rows: token ids, positions, KV slots, request
+rows, sequence lengths and "fill" flags. `stage` fills it with one host-to-device copy of everything
+the host knows (the padding rows included) and one device-to-device copy of the KV slots (which the
+allocator keeps on the device). The graph's first kernel (mllmd_kernels.decode_inputs) then takes each
+flagged row's token from the engine's device-side token buffer (overlap: the previous step's token is
+still on the device) and writes each real row's KV slot into the request table, so that between two
+steps the device runs only the sampler, the copy of the tokens to the host and these two copies.
+Rows B..S-1 are padding: token 0 at position 0, writing its K/V to the reserved pool slot 0 and
+attending over one token of request row 0 (reads only), so they change nothing another request can
+see. Logits of all S rows come out of the graph; the step uses the first B.
 
 Attention backends whose per-step metadata depends only on shapes (the Triton backend: the split
 count is a function of the batch size) need nothing at replay; a backend may define
@@ -20,7 +25,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
-from mllmd_kernels import pdl_launches
+from mllmd_kernels import decode_inputs, pdl_launches
+from mllmd_kernels._triton import use_triton
 
 from mllmd.engine.forward_batch import ForwardBatch
 
@@ -28,6 +34,10 @@ if TYPE_CHECKING:
     from mllmd.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+# rows of a graph's static inputs
+IDS, POSITIONS, LOCS, ROWS, SEQ_LENS, FILL = range(6)
+NUM_INPUT_ROWS = 6
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -50,9 +60,12 @@ class CudaGraphRunner:
         dev = runner.device
         n = self.max_bs
         i64 = {"dtype": torch.int64, "device": dev}
-        # one static buffer, rows: input_ids, positions, out_cache_loc, req_pool_indices, seq_lens
-        self.static = torch.zeros((5, n), **i64)
-        self.static[4].fill_(1)
+        # per size S: rows input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, fill
+        self.inputs = {s: torch.zeros((NUM_INPUT_ROWS, s), **i64) for s in self.batch_sizes}
+        for buf in self.inputs.values():
+            buf[SEQ_LENS].fill_(1)
+        # Without Triton the two input fixes run eagerly before the replay (torch ops, see stage).
+        self.fused_inputs = use_triton(self.inputs[n])
         self.ones = torch.ones(n, **i64)
         self.arange = torch.arange(n, **i64)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -60,15 +73,17 @@ class CudaGraphRunner:
         self.pool = None
         self._capture_all()
 
-    def _batch(self, bs: int) -> ForwardBatch:
+    def _batch(self, size: int, bs: int | None = None) -> ForwardBatch:
+        """The first `bs` rows (default all) of size `size`'s static inputs, as a decode batch."""
         r = self.runner
-        s = self.static
+        s = self.inputs[size]
+        bs = size if bs is None else bs
         return ForwardBatch(
-            input_ids=s[0, :bs],
-            positions=s[1, :bs],
-            out_cache_loc=s[2, :bs],
-            req_pool_indices=s[3, :bs],
-            seq_lens=s[4, :bs],
+            input_ids=s[IDS, :bs],
+            positions=s[POSITIONS, :bs],
+            out_cache_loc=s[LOCS, :bs],
+            req_pool_indices=s[ROWS, :bs],
+            seq_lens=s[SEQ_LENS, :bs],
             extend_lens=self.ones[:bs],
             logits_indices=self.arange[:bs],
             seq_lens_cpu=[1] * bs,
@@ -77,6 +92,7 @@ class CudaGraphRunner:
             req_to_token_pool=r.req_to_token_pool,
             kv_pool=r.kv_pool,
             attn_backend=r.attn_backend,
+            graph_size=size,
         )
 
     @torch.inference_mode()
@@ -89,11 +105,22 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.runner.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
+    def _step(self, size: int) -> torch.Tensor:
+        """What a graph runs: complete the inputs (fused), then the decode forward of all `size` rows."""
+        batch = self._batch(size)
+        self.runner.attn_backend.init_forward_metadata(batch)
+        if self.fused_inputs:
+            s, r = self.inputs[size], self.runner
+            decode_inputs(s[IDS], s[POSITIONS], s[LOCS], s[ROWS], s[FILL], r.token_buf, r.req_to_token_pool.req_to_token)
+        return self.runner.forward_eager(batch)
+
     def _capture_on(self, stream: torch.cuda.Stream) -> None:
+        # The static inputs hold zeros here (no fill, slot 0): the warm-up and capture runs write no
+        # table entry and no request's KV.
         for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool memory
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its algorithms
-                    self.runner.forward_eager(self._decode_batch(bs))
+                    self._step(bs)
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
@@ -101,33 +128,63 @@ class CudaGraphRunner:
                 # backend's split-KV scratch included) must come from the graph's private pool. A
                 # buffer left over from the warm-up would go back to the caching allocator when the
                 # warm-up batch dies, and every replay would then write into whatever reused it.
-                self.logits[bs] = self.runner.forward_eager(self._decode_batch(bs))
+                self.logits[bs] = self._step(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
 
-    def _decode_batch(self, bs: int) -> ForwardBatch:
-        batch = self._batch(bs)
-        self.runner.attn_backend.init_forward_metadata(batch)
-        return batch
+    def size_for(self, bs: int) -> int | None:
+        """The captured size that runs `bs` rows, or None when none does."""
+        if not 0 < bs <= self.max_bs:
+            return None
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.is_decode and 0 < batch.batch_size <= self.max_bs
+        """Whether `batch` was staged here (decodes of a captured size whose every row samples: the
+        graph's logits are all its rows'); any other batch runs eagerly."""
+        return batch.graph_size > 0
+
+    def stage(
+        self,
+        input_ids: list[int],  # a row's token, or anything where fill is set
+        positions: list[int],
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        fill: list[int],  # 1: the row's token is the token buffer's entry of its request row
+        out_cache_loc: torch.Tensor,  # [B] int64 on the device
+        prefix_lens: list[int],
+    ) -> ForwardBatch:
+        """Write a decode step of B rows (every row samples) into the inputs of the graph that runs it:
+        one host-to-device copy (padding included) and one copy of the KV slots. The returned batch's
+        tensors are views of those inputs, valid until the next stage of the same size."""
+        bs = len(input_ids)
+        size = self.size_for(bs)
+        assert size is not None, f"no decode graph for {bs} rows"
+        pad = [0] * (size - bs)
+        host = [*input_ids, *pad, *positions, *pad, *[0] * size, *req_pool_indices, *pad, *seq_lens, *[1] * (size - bs), *fill, *pad]
+        buf = self.inputs[size]
+        buf.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True).view(NUM_INPUT_ROWS, size), non_blocking=True)
+        buf[LOCS, :bs].copy_(out_cache_loc)
+        batch = self._batch(size, bs)
+        batch.seq_lens_cpu = list(seq_lens)
+        batch.prefix_lens_cpu = list(prefix_lens)
+        if not self.fused_inputs:
+            self._complete_inputs_eagerly(buf, bs)
+        return batch
+
+    def _complete_inputs_eagerly(self, buf: torch.Tensor, bs: int) -> None:
+        """decode_inputs with torch ops (no Triton): no host synchronisation, only the B real rows."""
+        r = self.runner
+        rows = buf[ROWS, :bs]
+        buf[IDS, :bs] = torch.where(buf[FILL, :bs] != 0, r.token_buf[rows], buf[IDS, :bs])
+        r.req_to_token_pool.req_to_token[rows, buf[POSITIONS, :bs]] = buf[LOCS, :bs]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [B, V] float32 of a decode batch, by graph replay."""
-        bs = batch.batch_size
-        size = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-        s = self.static
-        if bs < size:  # padding rows (see the module docstring)
-            s[:, bs:size].zero_()
-            s[4, bs:size].fill_(1)
-        torch.stack(
-            [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_pool_indices, batch.seq_lens],
-            out=s[:, :bs],
-        )
+        """Logits [B, V] float32 of a staged decode batch, by graph replay."""
+        size = batch.graph_size
+        assert size > 0, "only a batch from stage() replays a graph"
         prepare = getattr(self.runner.attn_backend, "prepare_replay", None)
         if prepare is not None:
             prepare(self._batch(size))
         self.graphs[size].replay()
-        return self.logits[size][:bs]
+        return self.logits[size][: batch.batch_size]

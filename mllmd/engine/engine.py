@@ -135,7 +135,9 @@ class Engine:
             self.scheduler.commit(sched)
             sampling_reqs = [r for r, need in zip(sched.reqs, sched.needs_logits) if need]
             if sampling_reqs:
-                launched = self._launch_sampling(sampling_reqs, logits)
+                # every row samples (decodes): the batch's device-side request rows are the token slots
+                rows = batch.req_pool_indices if len(sampling_reqs) == len(sched.reqs) else None
+                launched = self._launch_sampling(sampling_reqs, logits, rows)
         if self._inflight is not None:
             outputs += self._complete(self._inflight)  # the device runs `launched` meanwhile
             self._inflight = None
@@ -152,9 +154,10 @@ class Engine:
             return False
         return not any(_uses_output_penalties(r.params) for r in self.scheduler.running)
 
-    def _launch_sampling(self, reqs: list[Req], logits: torch.Tensor) -> _Launched:
+    def _launch_sampling(self, reqs: list[Req], logits: torch.Tensor, rows: torch.Tensor | None = None) -> _Launched:
         """Sample on the device and start copying the tokens back; with overlap, each request gets a
-        placeholder token that the device-side token buffer stands in for until _complete fills it."""
+        placeholder token that the device-side token buffer stands in for until _complete fills it.
+        `rows`: the requests' slots on the device already (else they are copied up)."""
         params = [r.params for r in reqs]
         info = SamplingBatchInfo.build(
             params,
@@ -165,11 +168,14 @@ class Engine:
             self.runner.device,
             positions=[r.num_output for r in reqs],
         )
-        out = self.sampler(logits, info)
+        sink = None
+        if self.overlap:  # the sampler writes each token into the device-side buffer too
+            if rows is None:
+                rows = to_device([r.req_pool_idx for r in reqs], torch.int64, self.runner.device)
+            sink = (self.runner.token_buf, rows)
+        out = self.sampler(logits, info, token_sink=sink)
         positions = [len(r.token_ids) for r in reqs]
         if self.overlap:
-            slots = to_device([r.req_pool_idx for r in reqs], torch.int64, self.runner.device)
-            self.runner.token_buf[slots] = out.next_token_ids
             for r in reqs:
                 r.token_ids.append(PLACEHOLDER)
         pending = PendingFetch([out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs])

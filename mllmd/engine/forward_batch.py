@@ -33,6 +33,7 @@ class ForwardBatch:
     kv_pool: KVPool
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None)
+    graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
 
     @property
     def batch_size(self) -> int:

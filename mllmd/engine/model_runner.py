@@ -15,7 +15,7 @@ import torch
 from mllmd.config import EngineConfig
 from mllmd.engine.attention import AttentionBackend, create_attention_backend
 from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
-from mllmd.engine.device_io import to_device, to_device_parts
+from mllmd.engine.device_io import to_device_parts
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
@@ -297,33 +297,52 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
-        """Gather the step's flat inputs from the scheduled requests: one staged host-to-device copy."""
+        """Gather the step's flat inputs from the scheduled requests and write its KV slots into the
+        request table: a decode step that a CUDA graph runs is staged into the graph's own inputs
+        (CudaGraphRunner.stage: the table write and the in-flight tokens happen inside the graph);
+        any other step takes one staged host-to-device copy, a scatter into the table and, for
+        in-flight tokens, a gather from the token buffer."""
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         fill_rows: list[int] = []  # overlap: input positions whose token is still on the device
         fill_slots: list[int] = []
+        table_rows: list[int] = []  # the request-table entries of the new tokens
+        table_cols: list[int] = []
         for req, p, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens):
             start = len(input_ids)
             input_ids += req.token_ids[p : p + n]
             positions += range(p, p + n)
             seq_lens.append(p + n)
+            table_rows += [req.req_pool_idx] * n
+            table_cols += range(p, p + n)
             if p + n == len(req.token_ids):
                 logits_rows.append(len(input_ids) - 1)
             if input_ids[-1] == PLACEHOLDER:
                 fill_rows.append(len(input_ids) - 1)
                 fill_slots.append(req.req_pool_idx)
             assert PLACEHOLDER not in input_ids[start:-1], "only a request's last token can be in flight"
-        # ids, positions, request rows, seq_lens, extend_lens, logits rows: one pinned async copy
+        rows = [r.req_pool_idx for r in sched.reqs]
+        gr = self.graph_runner
+        if (
+            gr is not None
+            and len(input_ids) == len(sched.reqs) == len(logits_rows)  # decodes, every row samples
+            and gr.size_for(len(input_ids)) is not None
+        ):
+            fill = [int(t == PLACEHOLDER) for t in input_ids]
+            ids = [0 if f else t for t, f in zip(input_ids, fill)]
+            return gr.stage(ids, positions, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens))
+        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, table entries: one copy
         parts = to_device_parts(
-            [input_ids, positions, [r.req_pool_idx for r in sched.reqs], seq_lens, sched.extend_lens, logits_rows],
+            [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots,
+             table_rows, table_cols],
             torch.int64,
             self.device,
         )
+        self.req_to_token_pool.req_to_token[parts[8], parts[9]] = sched.out_cache_loc
         if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer
-            where = to_device([fill_rows, fill_slots], torch.int64, self.device)
-            parts[0][where[0]] = self.token_buf[where[1]]
+            parts[0][parts[6]] = self.token_buf[parts[7]]
         batch = ForwardBatch(
             input_ids=parts[0],
             positions=parts[1],
@@ -339,15 +358,14 @@ class ModelRunner:
             kv_pool=self.kv_pool,
             attn_backend=self.attn_backend,
         )
-        if self.graph_runner is None or not self.graph_runner.can_run(batch):
-            self.attn_backend.init_forward_metadata(batch)
+        self.attn_backend.init_forward_metadata(batch)  # this batch runs eagerly
         return batch
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; float32 logits [N, V] for the rows that sample (empty if none).
 
-        Decode batches replay a CUDA graph when one was captured for their size (padded up)."""
+        Decode batches that prepare() staged replay the CUDA graph of their size (padded up)."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         return self.forward_eager(batch)

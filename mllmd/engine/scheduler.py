@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd.engine.device_io import to_device
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import PrefixCache
 from mllmd.engine.request import PLACEHOLDER, Req, ReqStatus
@@ -30,7 +29,7 @@ class ScheduledBatch:
     reqs: list[Req]
     extend_lens: list[int]
     prefix_lens: list[int]
-    out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, rows concatenated
+    out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, rows concatenated (not yet in the request table)
 
     @property
     def needs_logits(self) -> list[bool]:
@@ -210,20 +209,13 @@ class Scheduler:
         if not reqs:
             return None
         prefix_lens = [r.kv_len for r in reqs]
-        rows: list[int] = []
-        cols: list[int] = []
         for req, p, n in zip(reqs, prefix_lens, lens):
-            rows += [req.req_pool_idx] * n
-            cols += range(p, p + n)
             if n > 1 or len(req.token_ids) - p > 1:
                 self.stats.prefill_tokens_computed += n
             else:
                 self.stats.decode_tokens_computed += n
-        out_cache_loc = torch.cat(slots)
-        # staged write of the request-to-token table: one scatter for the whole step
-        table = self.req_to_token_pool.req_to_token
-        where = to_device([rows, cols], torch.int64, table.device)
-        table[where[0], where[1]] = out_cache_loc
+        out_cache_loc = slots[0] if len(slots) == 1 else torch.cat(slots)  # one piece: no copy launch
+        # The model runner writes the slots into the request table (ModelRunner.prepare).
         return ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
 
     def _hold_prefill(self) -> bool:

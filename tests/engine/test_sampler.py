@@ -548,3 +548,40 @@ def test_cuda_matches_cpu():
     want = Sampler()(logits, build(params, None, None, outputs, v)).next_token_ids
     got = Sampler()(logits.cuda(), build(params, None, None, outputs, v, "cuda")).next_token_ids
     assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_all_greedy_batch_equals_cpu_and_fills_the_sink():
+    """The one-launch greedy path (greedy_argmax) picks the CPU sampler's tokens on Qwen3's vocabulary,
+    from bf16 and float32 logits, and writes them into the token buffer; batches grow the workspace."""
+    gen = torch.Generator().manual_seed(11)
+    for n in (1, 5, 40):
+        logits = torch.randn(n, 151936, generator=gen) * 3
+        params = [SP(temperature=0.0)] * n
+        want = Sampler()(logits, build(params, vocab=151936)).next_token_ids
+        sampler = Sampler()
+        for dt in (torch.float32, torch.bfloat16):
+            x = logits.to(dt)
+            buf = torch.full((64,), -1, dtype=torch.int64, device="cuda")
+            rows = torch.arange(n, dtype=torch.int64, device="cuda").flip(0) + 3
+            got = sampler(x.cuda(), build(params, vocab=151936, device="cuda"), token_sink=(buf, rows))
+            assert torch.equal(got.next_token_ids.cpu(), Sampler()(x, build(params, vocab=151936)).next_token_ids)
+            assert torch.equal(buf[rows].cpu(), got.next_token_ids.cpu())
+            if dt == torch.float32:
+                assert torch.equal(got.next_token_ids.cpu(), want)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_token_sink_receives_every_row_token(greedy: bool) -> None:
+    """token_sink (buffer, rows): row i's token lands in buffer[rows[i]], greedy or sampled."""
+    v, n = 50, 4
+    logits = torch.randn(n, v, generator=torch.Generator().manual_seed(4)) * 2
+    params = [SP(temperature=0.0 if greedy else 0.8, seed=i) for i in range(n)]
+    buf = torch.full((9,), -1, dtype=torch.int64)
+    rows = torch.tensor([7, 1, 4, 0])
+    out = Sampler()(logits, build(params, vocab=v), token_sink=(buf, rows)).next_token_ids
+    assert torch.equal(out, Sampler()(logits, build(params, vocab=v)).next_token_ids)
+    want = torch.full((9,), -1, dtype=torch.int64)
+    want[rows] = out
+    assert torch.equal(buf, want)

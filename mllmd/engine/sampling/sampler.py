@@ -11,7 +11,8 @@ Processing, on a float32 copy of the logits (the input is never modified):
    samples the same token whatever the batch holds.
 4. Logprobs of the raw logits as given (logprobs.py).
 
-Fast paths: an all-greedy batch without bias or penalties is a bare argmax; on CUDA the unfiltered
+Fast paths: an all-greedy batch without bias or penalties is a bare argmax (on CUDA one Triton launch,
+mllmd_kernels.greedy_argmax, which also fills the engine's token buffer); on CUDA the unfiltered
 sampled rows go through one Triton kernel (mllmd_kernels.gumbel_argmax: the same tokens, without the
 [rows, V] noise and score tensors); penalty tensors exist
 only when some row uses them; noise is drawn only for sampled rows, and for filtered rows only for
@@ -24,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from mllmd_kernels import gumbel_argmax
+from mllmd_kernels import GreedyWorkspace, greedy_argmax, gumbel_argmax
 from mllmd_kernels._triton import use_triton
 
 from mllmd.engine.sampling.batch_info import SamplingBatchInfo
@@ -106,15 +107,28 @@ class Sampler:
 
     def __init__(self, prefix_width: int | None = None) -> None:
         self.prefix_width = prefix_width
+        self._greedy_ws: GreedyWorkspace | None = None  # greedy_argmax's scratch (CUDA), grown on demand
 
-    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
-        """logits [B, V] of any float dtype -> SamplerOutput."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        token_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """logits [B, V] of any float dtype -> SamplerOutput.
+
+        token_sink (buffer, rows): also write row i's token to buffer[rows[i]] (the engine's
+        device-side token buffer); an all-greedy batch on CUDA does it in its argmax launch."""
         if logits.dim() != 2 or tuple(logits.shape) != (info.batch_size, info.vocab_size):
             raise ValueError(
                 f"logits must be [{info.batch_size}, {info.vocab_size}], got {tuple(logits.shape)}"
             )
         if info.num_sampled == 0 and not info.needs_processing:
-            tokens = logits.max(dim=-1).indices  # [B] all greedy: max() is faster than argmax on CPU, same first-index ties
+            if use_triton(logits) and logits.stride(1) == 1:  # one launch, the sink included
+                tokens = greedy_argmax(logits, self._greedy_workspace(logits), sink=token_sink)
+                token_sink = None
+            else:
+                tokens = logits.max(dim=-1).indices  # [B] max() is faster than argmax on CPU, same first-index ties
         else:
             x = process_logits(logits, info)  # [B, V] float32
             tokens = torch.empty(info.batch_size, dtype=torch.int64, device=logits.device)
@@ -122,10 +136,20 @@ class Sampler:
                 tokens = _put(tokens, info.greedy_idx, _take(x, info.greedy_idx).argmax(dim=-1))
             if info.num_sampled:
                 tokens = _put(tokens, info.sample_idx, self._sample(_take(x, info.sample_idx), info))
+        if token_sink is not None:
+            token_sink[0][token_sink[1]] = tokens
         if not info.want_logprobs:
             return SamplerOutput(tokens, None, None, None)
         lp, top_ids, top_lp = compute_logprobs(logits, tokens, info.num_top_logprobs)
         return SamplerOutput(tokens, lp, top_ids, top_lp)
+
+    def _greedy_workspace(self, logits: torch.Tensor) -> GreedyWorkspace:
+        rows, vocab = logits.shape
+        ws = self._greedy_ws
+        if ws is None or not ws.fits(rows, vocab, logits.device):
+            grow = max(rows, 2 * ws.rows if ws is not None and ws.vocab_size == vocab else 0)
+            ws = self._greedy_ws = GreedyWorkspace(grow, vocab, logits.device)
+        return ws
 
     def _sample(self, x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         """Gumbel-max over the sampled rows: x [S, V] float32 -> token ids [S]."""
