@@ -40,6 +40,27 @@ IDS, POSITIONS, LOCS, ROWS, SEQ_LENS, FILL = range(6)
 NUM_INPUT_ROWS = 6
 
 
+def host_inputs(
+    input_ids: list[int], positions: list[int], req_pool_indices: list[int], seq_lens: list[int], fill: list[int], size: int
+) -> list[int]:
+    """A graph's [NUM_INPUT_ROWS, size] inputs, flat, for B real rows: padding rows are token 0 at
+    position 0 of request row 0, one token long; every KV slot is 0 (the real ones are copied in from
+    the device afterwards)."""
+    pad = [0] * (size - len(input_ids))
+    return [
+        *input_ids, *pad, *positions, *pad, *[0] * size, *req_pool_indices, *pad, *seq_lens, *[1] * len(pad),
+        *fill, *pad,
+    ]  # fmt: skip
+
+
+def complete_inputs_eagerly(buf: torch.Tensor, bs: int, token_buf: torch.Tensor, req_to_token: torch.Tensor) -> None:
+    """mllmd_kernels.decode_inputs with torch ops, for CUDA without Triton (before the replay): the B
+    real rows only, and no host synchronisation (no boolean indexing)."""
+    rows = buf[ROWS, :bs]
+    buf[IDS, :bs] = torch.where(buf[FILL, :bs] != 0, token_buf[rows], buf[IDS, :bs])
+    req_to_token[rows, buf[POSITIONS, :bs]] = buf[LOCS, :bs]
+
+
 def capture_batch_sizes(max_bs: int) -> list[int]:
     """1-4, 6, 8, every 4 to 32, every 8 to 64, every 16 to 256 (then max_bs): a padded step computes at
     most a third more rows than it needs (9 rows run as 12), and at most a quarter from 32 rows on."""
@@ -160,8 +181,7 @@ class CudaGraphRunner:
         bs = len(input_ids)
         size = self.size_for(bs)
         assert size is not None, f"no decode graph for {bs} rows"
-        pad = [0] * (size - bs)
-        host = [*input_ids, *pad, *positions, *pad, *[0] * size, *req_pool_indices, *pad, *seq_lens, *[1] * (size - bs), *fill, *pad]
+        host = host_inputs(input_ids, positions, req_pool_indices, seq_lens, fill, size)
         buf = self.inputs[size]
         buf.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True).view(NUM_INPUT_ROWS, size), non_blocking=True)
         buf[LOCS, :bs].copy_(out_cache_loc)
@@ -169,15 +189,9 @@ class CudaGraphRunner:
         batch.seq_lens_cpu = list(seq_lens)
         batch.prefix_lens_cpu = list(prefix_lens)
         if not self.fused_inputs:
-            self._complete_inputs_eagerly(buf, bs)
+            r = self.runner
+            complete_inputs_eagerly(buf, bs, r.token_buf, r.req_to_token_pool.req_to_token)
         return batch
-
-    def _complete_inputs_eagerly(self, buf: torch.Tensor, bs: int) -> None:
-        """decode_inputs with torch ops (no Triton): no host synchronisation, only the B real rows."""
-        r = self.runner
-        rows = buf[ROWS, :bs]
-        buf[IDS, :bs] = torch.where(buf[FILL, :bs] != 0, r.token_buf[rows], buf[IDS, :bs])
-        r.req_to_token_pool.req_to_token[rows, buf[POSITIONS, :bs]] = buf[LOCS, :bs]
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] float32 of a staged decode batch, by graph replay."""
