@@ -64,12 +64,19 @@ class ScriptedSampler:
                 self.assigned.popitem(last=False)
         return self.scripts[self.assigned[seed]]
 
-    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        token_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplerOutput:
         ids = []
         for seed, pos in zip(info.seeds, info.positions):
             script = self._script_for(seed, pos)
             ids.append(script[pos] if pos < len(script) else self.eos_id)
         tokens = torch.tensor(ids, dtype=torch.int64, device=logits.device)  # [B]
+        if token_sink is not None:  # as Sampler: the engine's device-side token buffer (overlap)
+            token_sink[0][token_sink[1]] = tokens
         if not info.want_logprobs:
             return SamplerOutput(tokens, None, None, None)
         lp, top_ids, top_lp = compute_logprobs(logits, tokens, info.num_top_logprobs)
