@@ -308,15 +308,11 @@ class ModelRunner:
         logits_rows: list[int] = []
         fill_rows: list[int] = []  # overlap: input positions whose token is still on the device
         fill_slots: list[int] = []
-        table_rows: list[int] = []  # the request-table entries of the new tokens
-        table_cols: list[int] = []
         for req, p, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens):
             start = len(input_ids)
             input_ids += req.token_ids[p : p + n]
             positions += range(p, p + n)
             seq_lens.append(p + n)
-            table_rows += [req.req_pool_idx] * n
-            table_cols += range(p, p + n)
             if p + n == len(req.token_ids):
                 logits_rows.append(len(input_ids) - 1)
             if input_ids[-1] == PLACEHOLDER:
@@ -333,14 +329,15 @@ class ModelRunner:
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
             return gr.stage(ids, positions, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens))
-        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, table entries: one copy
+        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row:
+        # one copy; a token's request-table entry is (its request row, its position)
+        token_rows = [r for r, n in zip(rows, sched.extend_lens) for _ in range(n)]
         parts = to_device_parts(
-            [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots,
-             table_rows, table_cols],
+            [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows],
             torch.int64,
             self.device,
         )
-        self.req_to_token_pool.req_to_token[parts[8], parts[9]] = sched.out_cache_loc
+        self.req_to_token_pool.req_to_token[parts[8], parts[1]] = sched.out_cache_loc
         if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer
             parts[0][parts[6]] = self.token_buf[parts[7]]
         batch = ForwardBatch(

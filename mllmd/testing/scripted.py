@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mllmd.engine.sampling import SamplerOutput, SamplingBatchInfo, compute_logprobs
+from mllmd.engine.sampling.sampler import TokenSink, fill_token_sink
 
 ENV_VAR = "MLLMD_TESTING_SCRIPT"
 MAX_TRACKED = 4096  # requests remembered (oldest forgotten first)
@@ -68,15 +69,14 @@ class ScriptedSampler:
         self,
         logits: torch.Tensor,
         info: SamplingBatchInfo,
-        token_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+        token_sink: TokenSink | None = None,
     ) -> SamplerOutput:
         ids = []
         for seed, pos in zip(info.seeds, info.positions):
             script = self._script_for(seed, pos)
             ids.append(script[pos] if pos < len(script) else self.eos_id)
         tokens = torch.tensor(ids, dtype=torch.int64, device=logits.device)  # [B]
-        if token_sink is not None:  # as Sampler: the engine's device-side token buffer (overlap)
-            token_sink[0][token_sink[1]] = tokens
+        fill_token_sink(token_sink, tokens)  # as Sampler: the engine's device-side token buffer (overlap)
         if not info.want_logprobs:
             return SamplerOutput(tokens, None, None, None)
         lp, top_ids, top_lp = compute_logprobs(logits, tokens, info.num_top_logprobs)

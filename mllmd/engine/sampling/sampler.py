@@ -42,6 +42,16 @@ from mllmd.engine.sampling.penalties import (
 CPU_PREFIX_WIDTH = 256
 
 
+# (buffer, rows): also write row i's token to buffer[rows[i]] (the engine's device-side token buffer)
+TokenSink = tuple[torch.Tensor, torch.Tensor]
+
+
+def fill_token_sink(sink: TokenSink | None, tokens: torch.Tensor) -> None:
+    """buffer[rows] = tokens, for a sampler path that did not write the sink itself."""
+    if sink is not None:
+        sink[0][sink[1]] = tokens
+
+
 @dataclass
 class SamplerOutput:
     """Per-row results; top entries have K columns for every row (slice to each request's own)."""
@@ -113,7 +123,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         info: SamplingBatchInfo,
-        token_sink: tuple[torch.Tensor, torch.Tensor] | None = None,
+        token_sink: TokenSink | None = None,
     ) -> SamplerOutput:
         """logits [B, V] of any float dtype -> SamplerOutput.
 
@@ -136,8 +146,7 @@ class Sampler:
                 tokens = _put(tokens, info.greedy_idx, _take(x, info.greedy_idx).argmax(dim=-1))
             if info.num_sampled:
                 tokens = _put(tokens, info.sample_idx, self._sample(_take(x, info.sample_idx), info))
-        if token_sink is not None:
-            token_sink[0][token_sink[1]] = tokens
+        fill_token_sink(token_sink, tokens)
         if not info.want_logprobs:
             return SamplerOutput(tokens, None, None, None)
         lp, top_ids, top_lp = compute_logprobs(logits, tokens, info.num_top_logprobs)
