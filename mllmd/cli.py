@@ -102,10 +102,10 @@ def demo_overrides(overrides: list[str]) -> list[str]:
     """Build the demo model (in a subprocess: this process never imports torch); point the config at it."""
     import subprocess
 
-    from mllmd.testing.tokenizer import cache_dir
+    from mllmd.knobs import cache_dir
 
     print("mllmd: preparing the built-in demo model (RANDOM weights, meaningless output) ...", file=sys.stderr)
-    done = subprocess.run([sys.executable, "-m", "mllmd.testing.demo"], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "mllmd.demo"], capture_output=True, text=True)
     if done.returncode != 0:
         raise UsageError(f"could not build the demo model: {done.stderr.strip().splitlines()[-1:]}")
     path = done.stdout.strip().splitlines()[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -98,3 +99,40 @@ class SamplingParams:
                     bad("logit_bias", f"token id {t} is outside the vocabulary")
                 if not math.isfinite(b) or not -100.0 <= b <= 100.0:
                     bad("logit_bias", f"bias for token {t} must be in [-100, 100]")
+
+
+def fit_max_tokens(
+    requested: int | None, default: int | None, prompt_tokens: int, context_length: int, prompt_param: str
+) -> int:
+    """The output-token limit of a request once its prompt length is known.
+
+    `requested` (the client's max_tokens) is kept as given: a prompt + max_tokens over the context is
+    the engine's to refuse, naming both. Unset, the limit is `default` capped at what the context
+    leaves, or (default None) all of it. A prompt that leaves no room at all is refused here, naming
+    `prompt_param`.
+    """
+    room = context_length - prompt_tokens
+    if room < 1:
+        raise InvalidSamplingParam(
+            f"the prompt has {prompt_tokens} tokens but the model's context length is {context_length} "
+            "(at least one token must be left for the completion)",
+            prompt_param,
+        )
+    return requested if requested is not None else output_limit(default, room)
+
+
+def output_limit(default: int | None, room: int) -> int:
+    """An unset max_tokens: `default` capped at the `room` the context leaves (None: all of it)."""
+    return room if default is None else min(default, room)
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """One SamplingParams per choice of an n > 1 request: with a seed, choice i uses seed + i
+    (distinct but reproducible choices)."""
+    out = []
+    for i in range(n):
+        p = copy.copy(params)
+        if p.seed is not None and i:
+            p.seed = p.seed + i
+        out.append(p)
+    return out

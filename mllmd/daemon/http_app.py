@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mllmd.daemon.admin import admin_routes
+from mllmd.messages import ChatPrompt, Prompt, RequestFailed, TextPrompt, TokenPrompt
 from mllmd.openai import protocol, serving
 from mllmd.openai import responses as R
 from mllmd.openai.errors import (
@@ -116,9 +117,11 @@ class Api:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def _submit(self, msg: dict[str, Any], n: int) -> list[Any]:
+    async def _submit(self, prompt: Prompt, req: Any, n: int, prompt_param: str) -> list[Any]:
+        """Validate the request's sampling fields, then hand the prompt to the serving slot."""
+        params = req.sampling_params()
         slot = self.d.serving_slot(n)
-        return await slot.rm.submit({"type": "generate", **msg}, n, slot.context_length)
+        return await slot.rm.submit(prompt, params, req.output_budget(), n, prompt_param, slot.context_length)
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -147,9 +150,8 @@ class Api:
         self._check_ready()
         if req.image_urls:
             raise bad_request("images are not supported by the loaded model", "messages")
-        msg = {"mode": "chat", "messages": req.messages, "tools": req.tools if req.tool_choice != "none" else None,
-               "chat_template_kwargs": req.chat_template_kwargs, "sampling": req}
-        states = await self._submit(msg, req.n)
+        prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
+        states = await self._submit(prompt, req, req.n, "messages")
         opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,
                                    self.d.config.server.tool_call_parser)
         if req.stream:
@@ -164,8 +166,7 @@ class Api:
         if len(req.prompts) != 1:
             raise bad_request("only one prompt per request is supported", "prompt")
         prompt = req.prompts[0]
-        msg = {"mode": "text", "prompt": prompt} if isinstance(prompt, str) else {"mode": "ids", "input_ids": prompt}
-        states = await self._submit({**msg, "sampling": req}, req.n)
+        states = await self._submit(_prompt(prompt), req, req.n, "prompt")
         echo = [prompt if isinstance(prompt, str) else ""] * req.n
         model = self.d.served_model_name or ""
         if req.stream:
@@ -179,9 +180,7 @@ class Api:
         self._check_ready()
         if req.batch_size != 1:
             raise bad_request("batched /generate is not supported; send one prompt per request", "text")
-        prompt = req.prompts[0]
-        msg = {"mode": "text", "prompt": prompt} if isinstance(prompt, str) else {"mode": "ids", "input_ids": prompt}
-        states = await self._submit({**msg, "sampling": req}, 1)
+        states = await self._submit(_prompt(req.prompts[0]), req, 1, "prompt")
         if req.stream:
             return await self._stream(request, states, serving.generate_stream(states))
         out = await self._watch(request, states, serving.generate_full(states))
@@ -205,16 +204,20 @@ class Api:
         return Response(body, media_type=content_type)
 
 
-async def _first_error(states: list[Any]) -> dict[str, Any] | None:
+def _prompt(prompt: str | list[int]) -> Prompt:
+    return TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(prompt)
+
+
+async def _first_error(states: list[Any]) -> RequestFailed | None:
     """Wait for each state's first item (left at the head of its queue); the first error, if any."""
     for s in states:
         item = await s.queue.get()
-        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
         queue.put_nowait(item)
         while not s.queue.empty():
             queue.put_nowait(s.queue.get_nowait())
         s.queue = queue  # no await since the get: nothing can arrive in between
-        if "error" in item:
+        if isinstance(item, RequestFailed):
             return item
     return None
 

@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mllmd import __version__
+from mllmd import __version__, knobs
 from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
 from mllmd.daemon.metrics import Metrics
@@ -35,6 +35,7 @@ from mllmd.daemon.models import (
     resolve_in_models_dirs,
 )
 from mllmd.daemon.supervisor import WorkerPolicy
+from mllmd.messages import ControlResult, EngineStats, FlushCache, RequestFailed, TextOutputs
 from mllmd.openai.errors import APIError, bad_request, service_unavailable
 from mllmd.telemetry.collector import TelemetryCollector
 from mllmd.workers import ipc
@@ -55,7 +56,7 @@ class Notifier:
     def __init__(self) -> None:
         import sdnotify
 
-        self._n = sdnotify.SystemdNotifier() if os.environ.get("NOTIFY_SOCKET") else None
+        self._n = sdnotify.SystemdNotifier() if knobs.notify_socket() else None
 
     def send(self, line: str) -> None:
         if self._n is not None:
@@ -96,7 +97,7 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
 
 
 def state_dir() -> Path:
-    return Path((os.environ.get("STATE_DIRECTORY") or "/var/lib/mllmd").split(":")[0])
+    return knobs.state_dir()
 
 
 class Daemon:
@@ -116,7 +117,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._announced_ready = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._controls: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._controls: dict[str, asyncio.Future[ControlResult]] = {}
         self.retiring: set[ModelSlot] = set()  # slots finishing their requests before they stop
 
     # ---- state -------------------------------------------------------------------------------
@@ -152,7 +153,7 @@ class Daemon:
         if reason is not None or self.active is None:
             raise service_unavailable(reason or "no model is loaded")
         slot = self.active
-        running = int(slot.engine_stats.get("running", 0))
+        running = slot.engine_stats.running if slot.engine_stats is not None else 0
         limit = self.config.server.max_queued_requests + self.config.engine.max_running_requests
         if n > limit:  # could never be admitted, however long the client waits: not a retryable 503
             raise bad_request(
@@ -258,16 +259,16 @@ class Daemon:
         if self.active is None or not self.active.ready:
             raise APIError(409, "no model is ready", "invalid_request_error", None, "no_model")
         cid = os.urandom(6).hex()
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[ControlResult] = asyncio.get_running_loop().create_future()
         self._controls[cid] = fut
-        await self.active.rm.send_control({"type": "flush_cache", "id": cid})
+        await self.active.rm.send_control(FlushCache(cid))
         try:
             result = await asyncio.wait_for(fut, 10.0)
         except asyncio.TimeoutError:
             raise APIError(504, "the scheduler did not answer the flush in 10 s", "server_error") from None
         finally:
             self._controls.pop(cid, None)
-        return f"flushed the prefix cache: {result.get('freed_tokens', 0)} cached tokens freed (entries in use kept)"
+        return f"flushed the prefix cache: {result.freed_tokens} cached tokens freed (entries in use kept)"
 
     def _record_active(self, path: str | None, overrides: dict[str, Any]) -> None:
         """Remember the active model so a restart loads it again."""
@@ -313,22 +314,22 @@ class Daemon:
 
     async def _abort_in_scheduler(self, slot: ModelSlot, rids: list[str]) -> None:
         for rid in rids:
-            await slot.rm.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
+            await slot.rm.send_abort(rid)
 
-    def _on_slot_message(self, slot: ModelSlot, msg: dict[str, Any]) -> None:
-        kind = msg.get("type")
-        if kind == "stats" and slot is self.active:
-            self.metrics.observe_engine_stats(msg)
-        elif kind == "outputs":
-            for item in msg["items"]:
-                st = slot.rm.reqs.get(item["rid"])
+    def _on_slot_message(self, slot: ModelSlot, msg: Any) -> None:
+        if isinstance(msg, EngineStats):
+            if slot is self.active:
+                self.metrics.observe_engine_stats(msg)
+        elif isinstance(msg, TextOutputs):
+            for item in msg.items:
+                st = slot.rm.reqs.get(item.rid)
                 if st is not None:
-                    self.metrics.on_output(item["rid"], item, st.created)
-        elif kind == "error":
-            for r in slot.rm.groups.get(msg["rid"], [msg["rid"]]):
+                    self.metrics.on_output(item.rid, item, st.created)
+        elif isinstance(msg, RequestFailed):
+            for r in slot.rm.groups.get(msg.rid, [msg.rid]):
                 self.metrics.forget(r)
-        elif kind == "control_result":
-            fut = self._controls.get(msg.get("id") or "")
+        elif isinstance(msg, ControlResult):
+            fut = self._controls.get(msg.id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
 
@@ -376,10 +377,10 @@ class Daemon:
             await asyncio.sleep(0.1)
 
     async def _watchdog_loop(self) -> None:
-        usec = os.environ.get("WATCHDOG_USEC")
-        if not usec or not usec.isdigit():
+        usec = knobs.watchdog_usec()
+        if usec is None:
             return
-        interval = int(usec) / 2e6
+        interval = usec / 2e6
         while True:
             self.notifier.send("WATCHDOG=1")
             await asyncio.sleep(interval)
@@ -387,10 +388,10 @@ class Daemon:
     # ---- status and reload -------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
         slot = self.active
-        stats = slot.engine_stats if slot is not None else {}
-        kv = stats.get("kv") or {}
-        total = kv.get("total") or 0
-        used = total - kv.get("free", 0) - kv.get("evictable", 0) if total else 0
+        stats = slot.engine_stats if slot is not None else None
+        kv = stats.kv if stats is not None else None
+        total = kv.total if kv is not None else 0
+        used = total - kv.free - kv.evictable if kv is not None and total else 0
         pend = self.pending
         snap = self.telemetry.latest().to_dict()
         return {
@@ -407,10 +408,11 @@ class Daemon:
             "version": __version__,
             "uptime_seconds": round(time.monotonic() - self.started_mono, 3),
             "workers": slot.supervisor.status() if slot is not None else [],
-            "requests": {"running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
+            "requests": {"running": stats.running if stats is not None else 0,
+                         "waiting": stats.waiting if stats is not None else 0,
                          "in_flight": slot.rm.num_in_flight if slot is not None else 0},
-            "kv_cache": {"total_tokens": total, "free_tokens": kv.get("free"), "cached_tokens": kv.get("cached"),
-                         "usage_ratio": round(used / total, 4) if total else 0.0} if total else {},
+            "kv_cache": {"total_tokens": total, "free_tokens": kv.free, "cached_tokens": kv.cached,
+                         "usage_ratio": round(used / total, 4)} if kv is not None and total else {},
             "memory": {"used_bytes": snap.get("memory_used_bytes"), "total_bytes": snap.get("memory_total_bytes"),
                        "gpu_used_bytes": snap.get("gpu_memory_used_bytes"),
                        "gpu_total_bytes": snap.get("gpu_memory_total_bytes")},
@@ -509,7 +511,7 @@ class Daemon:
             await asyncio.sleep(0.05)
         rids = list(slot.rm.reqs)
         # fail first (rm.abort would forget them silently and leave their handlers waiting), then abort
-        slot.rm.fail_all("the server is shutting down", status=503)
+        slot.rm.fail_all("the server is shutting down")
         await self._abort_in_scheduler(slot, rids)
 
 

@@ -54,6 +54,8 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mllmd.messages import EngineStats, KVUsage, TextOutput
+
 if TYPE_CHECKING:
     from mllmd.telemetry.collector import TelemetrySnapshot
 
@@ -78,7 +80,7 @@ QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0, 1800.0, 3600.0)
 
 MODEL = ("model_name",)
-# Cumulative scheduler counters (engine_stats key) -> counter attribute of Metrics.
+# Cumulative scheduler counters (EngineStats field) -> counter attribute of Metrics.
 ENGINE_COUNTERS = {"preemptions": "preemptions"}
 MAX_TRACKED_REQUESTS = 16384
 
@@ -98,11 +100,11 @@ class RequestTimeline:
     completion_tokens: int = 0
     cached_tokens: int = 0
 
-    def add(self, item: Mapping[str, Any], now: float) -> None:
+    def add(self, item: TextOutput, now: float) -> None:
         """Record one output item received at `now`."""
-        self.prompt_tokens = int(item.get("prompt_tokens", self.prompt_tokens) or 0)
-        self.cached_tokens = int(item.get("cached_tokens", self.cached_tokens) or 0)
-        total = int(item.get("completion_tokens", self.completion_tokens) or 0)
+        self.prompt_tokens = item.prompt_tokens
+        self.cached_tokens = item.cached_tokens
+        total = item.completion_tokens
         new = total - self.completion_tokens
         if new <= 0:
             return
@@ -229,7 +231,7 @@ class Metrics:
         self.up.set(1 if ready else 0)
 
     # ---- scheduler stats -----------------------------------------------------------------------
-    def observe_engine_stats(self, stats: Mapping[str, Any]) -> None:
+    def observe_engine_stats(self, stats: EngineStats) -> None:
         """The scheduler worker's periodic stats: gauges, and counter increments from cumulative counts.
 
         A cumulative count lower than the last one means the worker restarted and counts from zero
@@ -240,18 +242,15 @@ class Metrics:
             name = self.model_name
             if name is None:
                 return
-            for key, gauge in (("running", self.requests_running), ("waiting", self.requests_waiting)):
-                v = _finite(stats.get(key))
-                if v is not None:
-                    gauge.labels(name).set(v)
-            ratio = _kv_usage(stats.get("kv"))
+            self.requests_running.labels(name).set(stats.running)
+            self.requests_waiting.labels(name).set(stats.waiting)
+            ratio = _kv_usage(stats.kv)
             if ratio is not None:
                 self.kv_cache_usage.labels(name).set(ratio)
             for key, attr in ENGINE_COUNTERS.items():
-                v = _finite(stats.get(key))
-                if v is None or v < 0:
+                value = getattr(stats, key)
+                if value < 0:
                     continue
-                value = int(v)
                 last = self._engine_last.get(key, 0)
                 delta = value - last if value >= last else value
                 self._engine_last[key] = value
@@ -294,7 +293,7 @@ class Metrics:
                 if cur >= prev:
                     itl.observe(cur - prev)
 
-    def on_output(self, rid: str, item: Mapping[str, Any], arrival: float, now: float | None = None) -> None:
+    def on_output(self, rid: str, item: TextOutput, arrival: float, now: float | None = None) -> None:
         """Feed every output item of a request (from the detokenizer); on its finished item the
         request is observed with :meth:`on_request_finished`. `arrival` uses `now`'s clock
         (time.monotonic by default)."""
@@ -306,10 +305,10 @@ class Metrics:
                 while len(self._timelines) > MAX_TRACKED_REQUESTS:
                     self._timelines.popitem(last=False)
             tl.add(item, now)
-            if item.get("finished"):
+            if item.finished:
                 del self._timelines[rid]
-        if item.get("finished"):
-            self.on_request_finished(item.get("finish_reason") or "stop", tl.prompt_tokens, tl.completion_tokens,
+        if item.finished:
+            self.on_request_finished(item.finish_reason or "stop", tl.prompt_tokens, tl.completion_tokens,
                                      tl.cached_tokens, tl.arrival, tl.first_token, now, tl.token_times)
 
     def forget(self, rid: str) -> None:
@@ -341,12 +340,8 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def _kv_usage(kv: Any) -> float | None:
+def _kv_usage(kv: KVUsage) -> float | None:
     """(total - free - evictable) / total, clamped to 0..1; None without a usable total."""
-    if not isinstance(kv, Mapping):
+    if kv.total <= 0:
         return None
-    total, free = _finite(kv.get("total")), _finite(kv.get("free"))
-    if total is None or free is None or total <= 0:
-        return None
-    evictable = _finite(kv.get("evictable")) or 0.0
-    return min(max((total - free - evictable) / total, 0.0), 1.0)
+    return min(max((kv.total - kv.free - kv.evictable) / kv.total, 0.0), 1.0)

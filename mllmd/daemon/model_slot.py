@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -19,10 +18,21 @@ from typing import Any
 
 import zmq.asyncio
 
+from mllmd import knobs
 from mllmd.config import EngineConfig
 from mllmd.daemon.models import ModelFacts
 from mllmd.daemon.request_manager import RequestManager
 from mllmd.daemon.supervisor import Supervisor, WorkerPolicy
+from mllmd.messages import (
+    EngineStats,
+    Heartbeat,
+    MainInbox,
+    RequestFailed,
+    TextOutputs,
+    WorkerFatal,
+    WorkerReady,
+    decoder,
+)
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd.slot")
@@ -33,9 +43,8 @@ _LOAD_WEIGHT = {ipc.TOKENIZER: 0.1, ipc.DETOKENIZER: 0.1, ipc.SCHEDULER: 0.8}
 
 def make_ipc_dir() -> Path:
     """A private folder for the slot's ipc:// sockets: under $RUNTIME_DIRECTORY, else in /tmp."""
-    base = os.environ.get("RUNTIME_DIRECTORY")
-    if base:
-        root = Path(base.split(":")[0])
+    root = knobs.runtime_dir()
+    if root is not None:
         root.mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix="ipc-", dir=root))
     return Path(tempfile.mkdtemp(prefix="mllmd-"))
@@ -50,7 +59,7 @@ class ModelSlot:
         policy: WorkerPolicy,
         log_level: str,
         zctx: zmq.asyncio.Context,
-        on_message: Callable[[ModelSlot, dict[str, Any]], None],
+        on_message: Callable[[ModelSlot, Any], None],
         on_lost: Callable[[ModelSlot, str, str], None],
     ) -> None:
         self.engine = engine
@@ -67,7 +76,7 @@ class ModelSlot:
         }
         self.supervisor = Supervisor(self.ipc_dir, settings, policy, lambda w, r: on_lost(self, w, r))
         self._on_message = on_message
-        self.engine_stats: dict[str, Any] = {}
+        self.engine_stats: EngineStats | None = None
         self.load_started = time.monotonic()
         self.load_seconds: float | None = None
         self._task: asyncio.Task[None] | None = None
@@ -79,7 +88,7 @@ class ModelSlot:
 
     async def stop(self) -> None:
         """Stop the workers and free the sockets (requests still in flight fail)."""
-        self.rm.fail_all("the model was unloaded", status=503)
+        self.rm.fail_all("the model was unloaded")
         await asyncio.get_running_loop().run_in_executor(None, self.supervisor.stop_all)
         if self._task is not None:
             self._task.cancel()
@@ -104,7 +113,7 @@ class ModelSlot:
         return sum(_LOAD_WEIGHT[h.name] for h in self.supervisor.workers.values() if h.ready)
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> WorkerReady | None:
         """What the scheduler worker reported when it became ready (dtype, device, ...)."""
         return self.supervisor.workers[ipc.SCHEDULER].ready_info
 
@@ -112,34 +121,34 @@ class ModelSlot:
     def context_length(self) -> int | None:
         """The context length the tokenizer worker checks prompts against (from its ready notice)."""
         h = self.supervisor.workers.get(ipc.TOKENIZER)
-        return h.ready_info.get("context_length") if h is not None else None
+        return h.ready_info.context_length if h is not None and h.ready_info is not None else None
 
     def describe(self) -> dict[str, Any]:
-        info = self.info
+        info = self.info or WorkerReady(ipc.SCHEDULER, 0)
         return {
             "path": self.engine.model_path,
             "served_name": self.served_name,
-            "architecture": info.get("architecture") or self.facts.architecture,
-            "dtype": info.get("dtype") or self.facts.dtype,
+            "architecture": info.architecture or self.facts.architecture,
+            "dtype": info.dtype or self.facts.dtype,
             "quantization": self.facts.quantization,
-            "device": info.get("device"),
-            "context_length": info.get("context_length"),
-            "kv_cache_tokens": info.get("max_total_tokens"),
+            "device": info.device,
+            "context_length": info.context_length,
+            "kv_cache_tokens": info.max_total_tokens,
             "load_seconds": self.load_seconds,
         }
 
     # ---- messages ----------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
+        decode = decoder(MainInbox).decode
         while True:
-            msg = await self.inbox.recv_pyobj()
-            kind = msg.get("type")
+            msg = decode(await self.inbox.recv())
             self._on_message(self, msg)  # first: metrics read the request state before delivery drops it
-            if kind in ("heartbeat", "ready", "fatal"):
+            if isinstance(msg, (Heartbeat, WorkerReady, WorkerFatal)):
                 self.supervisor.on_message(msg)
-                if kind == "ready" and self.ready and self.load_seconds is None:
+                if isinstance(msg, WorkerReady) and self.ready and self.load_seconds is None:
                     self.load_seconds = time.monotonic() - self.load_started
-            elif kind == "stats":
+            elif isinstance(msg, EngineStats):
                 self.engine_stats = msg
-            elif kind in ("outputs", "error"):
+            elif isinstance(msg, (TextOutputs, RequestFailed)):
                 for rid in self.rm.deliver(msg):
-                    await self.rm.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
+                    await self.rm.send_abort(rid)

@@ -7,6 +7,7 @@ in flight fails at once with a 503 (nothing hangs).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import os
@@ -17,17 +18,33 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from mllmd.messages import (
+    AbortRequest,
+    GenerateRequest,
+    OutputBudget,
+    Prompt,
+    RequestFailed,
+    TextOutput,
+    TextOutputs,
+    TokenizeRequest,
+    TokenPrompt,
+    encode,
+)
+from mllmd.openai.errors import bad_request
+from mllmd.sampling_params import InvalidSamplingParam, SamplingParams, choice_params, fit_max_tokens
 from mllmd.workers import ipc
-from mllmd.workers.tokenizer_worker import sampling_params_for
 
 logger = logging.getLogger("mllmd.requests")
+
+# What a request's queue receives: its outputs, or the error that ended it.
+Result = TextOutput | RequestFailed
 
 
 @dataclass
 class RequestState:
     rid: str
     group: str
-    queue: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[Result] = field(default_factory=asyncio.Queue)
     created: float = field(default_factory=time.monotonic)
     finished: bool = False
     owner: Any = None  # the RequestManager (of one model slot) that holds this request
@@ -45,7 +62,15 @@ class RequestManager:
     def new_rid(self) -> str:
         return f"{self._prefix}-{next(self._ids)}"
 
-    async def submit(self, msg: dict[str, Any], n: int, context_length: int | None = None) -> list[RequestState]:
+    async def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        budget: OutputBudget,
+        n: int,
+        prompt_param: str,
+        context_length: int | None = None,
+    ) -> list[RequestState]:
         """Send one prompt with n sampling runs to the tokenizer; one state per run.
 
         A prompt of token ids needs no tokenizer: with the model's `context_length` known, it is checked
@@ -54,74 +79,84 @@ class RequestManager:
         group = self.new_rid()
         rids = [f"{group}.{i}" for i in range(n)]
         direct = None
-        if msg.get("mode") == "ids" and context_length:
-            ids = list(msg["input_ids"])
-            direct = (ids, sampling_params_for({**msg, "rids": rids}, len(ids), context_length))
+        if isinstance(prompt, TokenPrompt) and context_length:
+            try:
+                max_tokens = fit_max_tokens(budget.requested, budget.default, len(prompt.ids), context_length,
+                                            prompt_param)
+            except InvalidSamplingParam as e:
+                raise bad_request(str(e), e.param) from None
+            direct = choice_params(dataclasses.replace(params, max_tokens=max_tokens), n)
         states = [RequestState(rid, group, owner=self) for rid in rids]
         for s in states:
             self.reqs[s.rid] = s
         self.groups[group] = rids
         logger.debug("submit %s", group)
+        t_submit = time.perf_counter()  # for the scheduler's MLLMD_STEP_TRACE
         if direct is None:
-            await self.to_tokenizer.send_pyobj({**msg, "rid": group, "rids": rids, "t_submit": time.perf_counter()})
+            await self.to_tokenizer.send(encode(TokenizeRequest(group, rids, prompt, params, budget, prompt_param,
+                                                                t_submit)))
             return states
-        ids, params_list = direct
-        for rid, params in zip(rids, params_list):
-            gen = {"type": "generate", "rid": rid, "input_ids": ids, "params": params, "meta": {},
-                   "t_submit": time.perf_counter()}  # for the scheduler's MLLMD_STEP_TRACE
-            await self.to_scheduler.send_pyobj(gen)
+        assert isinstance(prompt, TokenPrompt)
+        for rid, p in zip(rids, direct):
+            await self.to_scheduler.send(encode(GenerateRequest(rid, prompt.ids, p, t_submit=t_submit)))
         return states
 
-    async def abort(self, rid: str) -> None:
+    def _drop(self, rid: str) -> RequestState | None:
+        """Stop tracking `rid`; its group goes with its last choice."""
         state = self.reqs.pop(rid, None)
-        if state is not None and not state.finished:
+        if state is not None:
             state.finished = True
-            await self.to_scheduler.send_pyobj({"type": "abort", "rid": rid})
+            rids = self.groups.get(state.group, ())
+            if not any(r in self.reqs for r in rids):
+                self.groups.pop(state.group, None)
+        return state
 
-    async def send_control(self, msg: dict[str, Any]) -> None:
-        await self.to_scheduler.send_pyobj(msg)
+    async def abort(self, rid: str) -> None:
+        state = self._drop(rid)
+        if state is not None:
+            await self.send_abort(rid)
+
+    async def send_abort(self, rid: str) -> None:
+        """Tell the scheduler to stop `rid` (which main no longer tracks)."""
+        await self.to_scheduler.send(encode(AbortRequest(rid)))
+
+    async def send_control(self, msg: Any) -> None:
+        await self.to_scheduler.send(encode(msg))
 
     # ---- results -----------------------------------------------------------------------------
-    def deliver(self, msg: dict[str, Any]) -> list[str]:
+    def deliver(self, msg: TextOutputs | RequestFailed) -> list[str]:
         """Route a worker message to its requests; returns rids that need an abort sent."""
-        kind = msg["type"]
         stale: list[str] = []
-        if kind == "outputs":
-            for item in msg["items"]:
-                state = self.reqs.get(item["rid"])
+        if isinstance(msg, TextOutputs):
+            for item in msg.items:
+                state = self.reqs.get(item.rid)
                 if state is None:
-                    if not item.get("finished"):
-                        stale.append(item["rid"])
+                    if not item.finished:
+                        stale.append(item.rid)
                     continue
                 state.queue.put_nowait(item)
-                if item.get("finished"):
-                    state.finished = True
-                    self.reqs.pop(item["rid"], None)
-                    if item.get("finish_reason") == "stop" and item.get("matched_stop_str"):
-                        stale.append(item["rid"])  # ended by a stop string: the engine must stop too
-        elif kind == "error":
-            rid = msg["rid"]
-            for r in self.groups.get(rid, [rid]):
-                state = self.reqs.pop(r, None)
+                if item.finished:
+                    self._drop(item.rid)
+                    if item.finish_reason == "stop" and item.matched_stop_str:
+                        stale.append(item.rid)  # ended by a stop string: the engine must stop too
+        else:
+            for r in list(self.groups.get(msg.rid, [msg.rid])):
+                state = self._drop(r)
                 if state is not None:
-                    state.finished = True
-                    state.queue.put_nowait({"error": msg["message"], "status": msg.get("status", 500), **msg})
+                    state.queue.put_nowait(msg)
         return stale
 
-    def fail_all(self, message: str, status: int = 503) -> None:
-        """A worker was lost: every request in flight ends now with an error."""
+    def fail_all(self, message: str) -> None:
+        """A worker was lost (or the model is going away): every request in flight ends now with a 503."""
         for state in list(self.reqs.values()):
             state.finished = True
-            state.queue.put_nowait({"error": message, "status": status})
+            state.queue.put_nowait(RequestFailed(state.rid, "unavailable", message))
         self.reqs.clear()
         self.groups.clear()
 
     def close(self) -> None:
         self.to_tokenizer.close(linger=0)
         self.to_scheduler.close(linger=0)
-
-    def forget_group(self, group: str) -> None:
-        self.groups.pop(group, None)
 
     @property
     def num_in_flight(self) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mllmd.messages import Heartbeat, WorkerFatal, WorkerReady
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd.supervisor")
@@ -43,7 +44,7 @@ class WorkerHandle:
     started_at: float = 0.0
     last_heartbeat: float = 0.0
     ready: bool = False
-    ready_info: dict[str, Any] = field(default_factory=dict)
+    ready_info: WorkerReady | None = None
     restarts: int = 0
     restart_times: deque[float] = field(default_factory=deque)
     next_start: float = 0.0
@@ -113,19 +114,18 @@ class Supervisor:
         return all(h.ready and h.alive() for h in self.workers.values())
 
     # ---- messages from workers ---------------------------------------------------------------
-    def on_message(self, msg: dict[str, Any]) -> None:
-        h = self.workers.get(msg.get("worker", ""))
-        if h is None or h.pid != msg.get("pid"):
+    def on_message(self, msg: Heartbeat | WorkerReady | WorkerFatal) -> None:
+        h = self.workers.get(msg.worker)
+        if h is None or h.pid != msg.pid:
             return  # a late message from a replaced process
         now = time.monotonic()
-        kind = msg["type"]
-        if kind == "heartbeat":
+        if isinstance(msg, Heartbeat):
             h.last_heartbeat = now
-        elif kind == "ready":
+        elif isinstance(msg, WorkerReady):
             h.ready, h.ready_info, h.last_heartbeat = True, msg, now
             h.backoff = 0.0
-        elif kind == "fatal":
-            h.last_error = msg.get("message")
+        else:
+            h.last_error = msg.message
 
     # ---- periodic check ----------------------------------------------------------------------
     def check(self) -> None:

@@ -15,9 +15,10 @@ from mllmd.config import EngineConfig
 from mllmd.engine.device_io import PendingFetch, to_device
 from mllmd.engine.model_runner import ModelRunner
 from mllmd.engine.prefix_cache import ChunkCache, PrefixCache, RadixCache
-from mllmd.engine.request import PLACEHOLDER, AdmissionError, Req, ReqStatus, RequestOutput
+from mllmd.engine.request import PLACEHOLDER, AdmissionError, Req, ReqStatus
 from mllmd.engine.sampling import Sampler, SamplingBatchInfo
 from mllmd.engine.scheduler import Scheduler
+from mllmd.messages import TokenOutput
 from mllmd.sampling_params import SamplingParams
 
 SEED_MASK = (1 << 63) - 1
@@ -68,7 +69,7 @@ class Engine:
         self.overlap: bool = self.runner.device.type == "cuda" if ov is None else ov
         self._rng = random.Random(config.random_seed)
         self.reqs: dict[str, Req] = {}
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[TokenOutput] = []
         self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
 
     # ---- admission ---------------------------------------------------------------------------
@@ -117,7 +118,7 @@ class Engine:
         return self.scheduler.has_work() or self._inflight is not None
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenOutput]:
         """Run one batch; return what changed for each request touched (plus aborts since last step).
 
         With `overlap_schedule`, the tokens of this step's batch are reported by the next call: the
@@ -181,7 +182,7 @@ class Engine:
         pending = PendingFetch([out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs])
         return _Launched(reqs, positions, pending)
 
-    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+    def _complete(self, launched: _Launched) -> list[TokenOutput]:
         """Wait for a launched batch's tokens; record them, check stops, report."""
         next_ids, chosen_lp, top_ids, top_lps = launched.pending.wait()
         assert next_ids is not None
@@ -232,8 +233,8 @@ class Engine:
         lp: list[float] | None,
         top: list[list[tuple[int, float]]] | None,
         num_output: int | None = None,
-    ) -> RequestOutput:
-        return RequestOutput(
+    ) -> TokenOutput:
+        return TokenOutput(
             rid=req.rid,
             new_token_ids=new,
             finished=req.status is ReqStatus.FINISHED,

@@ -1,4 +1,4 @@
-"""A request's state inside the engine, and what the engine reports back for it each step."""
+"""A request's state inside the engine (its per-step output is mllmd.messages.TokenOutput)."""
 
 from __future__ import annotations
 
@@ -67,20 +67,3 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
-
-
-@dataclass
-class RequestOutput:
-    """What changed for one request in one engine step (new tokens are a delta)."""
-
-    rid: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    new_logprobs: list[float] | None = None
-    new_top_logprobs: list[list[tuple[int, float]]] | None = None
-    matched_stop: int | str | None = None
-    error: str | None = None

@@ -10,7 +10,7 @@ from typing import Any
 from mllmd.config import EngineConfig
 from mllmd.detokenizer import DetokenizerState
 from mllmd.engine.engine import Engine
-from mllmd.engine.request import RequestOutput
+from mllmd.messages import TokenOutput
 from mllmd.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -80,7 +80,7 @@ class LLM:
                 res.text = self.tokenizer.decode(res.token_ids, skip_special_tokens=p.skip_special_tokens)
         return [results[rid] for rid in order]
 
-    def _apply(self, res: GenerationOutput, out: RequestOutput, p: SamplingParams) -> None:
+    def _apply(self, res: GenerationOutput, out: TokenOutput, p: SamplingParams) -> None:
         if res.finish_reason is not None:
             return  # already ended by a stop string
         res.token_ids += out.new_token_ids

@@ -6,7 +6,6 @@ through the step's attention backend, which reads and writes the paged KV pool.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 from mllmd_kernels import gemv, rope, silu_and_mul_int8
 from torch import nn
 
+from mllmd import knobs
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.models.layers import (
     Int8Rows,
@@ -34,7 +34,7 @@ ROPE_STORES_KV = True
 # W4A16 on the CUDA kernel, one bf16 row (batch-1 decode): the input and post-attention norms run inside
 # the qkv and gate/up launches, silu(gate) * up inside gate/up's; False (or MLLMD_W4A16_FUSIONS=0, read
 # at import) runs them apart, for comparison.
-FUSE_NORM_AND_ACTIVATION = os.environ.get("MLLMD_W4A16_FUSIONS", "1") != "0"
+FUSE_NORM_AND_ACTIVATION = knobs.W4A16_FUSIONS
 
 
 class Qwen3Attention(nn.Module):

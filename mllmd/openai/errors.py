@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mllmd.messages import RequestFailed
+
 
 class APIError(Exception):
     """An error answered to the client with an HTTP status and an OpenAI-shaped JSON body.
@@ -81,3 +83,20 @@ def service_unavailable(message: str, retry_after: int = 5) -> APIError:
 def internal_error(message: str = "Internal server error.") -> APIError:
     """500: an unexpected failure (the message must not leak internals or secrets)."""
     return APIError(500, message, "server_error", None, None)
+
+
+# A worker's RequestFailed code -> the HTTP status main answers with.
+_FAILURE_STATUS = {"invalid_request": 400, "unavailable": 503, "internal": 500}
+
+
+def failure_status(failure: RequestFailed) -> int:
+    return _FAILURE_STATUS[failure.code]
+
+
+def error_for_failure(failure: RequestFailed) -> APIError:
+    """The APIError for a request a worker failed (503s say when to retry: a lost worker, a shutdown)."""
+    status = failure_status(failure)
+    if status == 503:
+        return service_unavailable(failure.message)
+    return APIError(status, failure.message, "invalid_request_error" if status < 500 else "server_error",
+                    param=failure.param)

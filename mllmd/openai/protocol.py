@@ -14,10 +14,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from mllmd.messages import OutputBudget
 from mllmd.openai.errors import APIError, bad_request
-from mllmd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
+from mllmd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, output_limit
 
 MAX_N = 16  # choices per prompt
 MAX_BATCH = 256  # prompts per request (completions, /generate); also caps len(prompts) * n
@@ -280,15 +281,22 @@ class _SamplingRequest:
     top_logprobs: int = 0
     # SamplingParams field -> the name the client used, where it differs (for error params).
     param_names: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+    # The limit of an unset max_tokens, capped at what the context leaves; None: all of it.
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
 
-    def _fallback_max_tokens(self, default_max_tokens: int | None) -> int:
-        return default_max_tokens if default_max_tokens is not None else SamplingParams.max_tokens
+    def output_budget(self) -> OutputBudget:
+        """The output-token budget the tokenizer resolves once it knows the prompt's length."""
+        return OutputBudget(self.max_tokens, self.DEFAULT_MAX_TOKENS, self.param_names.get("max_tokens", "max_tokens"))
 
     def sampling_params(self, default_max_tokens: int | None = None) -> SamplingParams:
-        """Map to SamplingParams; ``default_max_tokens`` (context - prompt length) applies when unset."""
+        """Map to SamplingParams; ``default_max_tokens`` (context - prompt length) applies when unset
+        (without it, an unset max_tokens takes DEFAULT_MAX_TOKENS, else SamplingParams' default)."""
         max_tokens = self.max_tokens
         if max_tokens is None:
-            max_tokens = self._fallback_max_tokens(default_max_tokens)
+            if default_max_tokens is None:
+                max_tokens = self.DEFAULT_MAX_TOKENS or SamplingParams.max_tokens
+            else:
+                max_tokens = output_limit(self.DEFAULT_MAX_TOKENS, default_max_tokens)
             if max_tokens < 1:
                 p = self.param_names.get("max_tokens", "max_tokens")
                 raise bad_request(
@@ -566,12 +574,8 @@ class CompletionRequest(_SamplingRequest):
     include_usage: bool = False
     n: int = 1
     echo: bool = False
-
-    def _fallback_max_tokens(self, default_max_tokens: int | None) -> int:
-        """OpenAI's default of 16, shortened where the context has less room."""
-        if default_max_tokens is None:
-            return COMPLETION_DEFAULT_MAX_TOKENS
-        return min(COMPLETION_DEFAULT_MAX_TOKENS, default_max_tokens)
+    # OpenAI's default of 16, shortened where the context has less room.
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = COMPLETION_DEFAULT_MAX_TOKENS
 
 
 def _check_batch(v: list[Any], p: str) -> None:

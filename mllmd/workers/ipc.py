@@ -1,6 +1,7 @@
 """ZMQ wiring between the main process and the workers (ipc:// sockets in the runtime directory).
 
-Every message is a dict with a "type" key, pickled with send_pyobj (all peers are our own processes).
+Every message is one of mllmd.messages' structs, msgpack-encoded (`messages.encode`); each socket
+decodes the union of the messages it receives (`messages.MainInbox`, ...).
     main        PULL  main.sock        <- heartbeats, ready/fatal notices, results, errors
     tokenizer   PULL  tokenizer.sock   <- generate requests from main
     scheduler   PULL  scheduler.sock   <- tokenized requests (token-id prompts straight from main), aborts, control

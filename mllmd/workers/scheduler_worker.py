@@ -10,6 +10,22 @@ from typing import Any
 
 import zmq
 
+from mllmd import knobs
+from mllmd.messages import (
+    AbortRequest,
+    ControlResult,
+    EngineStats,
+    FlushCache,
+    GenerateRequest,
+    KVUsage,
+    RegisterRequest,
+    RequestFailed,
+    ResetRequests,
+    SchedulerInbox,
+    TokenOutputs,
+    decoder,
+    encode,
+)
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
 
@@ -17,18 +33,17 @@ logger = logging.getLogger("scheduler")
 STATS_INTERVAL = 0.5
 
 
-def _engine_stats(engine: Any) -> dict[str, Any]:
+def _engine_stats(engine: Any) -> EngineStats:
     s = engine.scheduler.stats
-    return {
-        "type": "stats",
-        "running": len(engine.scheduler.running),
-        "waiting": len(engine.scheduler.waiting),
-        "kv": engine.kv_usage(),
-        "prefill_tokens_computed": s.prefill_tokens_computed,
-        "decode_tokens_computed": s.decode_tokens_computed,
-        "cached_prompt_tokens": s.cached_prompt_tokens,
-        "preemptions": s.preemptions,
-    }
+    return EngineStats(
+        running=len(engine.scheduler.running),
+        waiting=len(engine.scheduler.waiting),
+        kv=KVUsage(**engine.kv_usage()),
+        prefill_tokens_computed=s.prefill_tokens_computed,
+        decode_tokens_computed=s.decode_tokens_computed,
+        cached_prompt_tokens=s.cached_prompt_tokens,
+        preemptions=s.preemptions,
+    )
 
 
 class StepTrace:
@@ -44,13 +59,13 @@ class StepTrace:
 
     @classmethod
     def from_env(cls, engine: Any) -> StepTrace | None:
-        path = os.environ.get("MLLMD_STEP_TRACE")
+        path = knobs.step_trace_path()
         return cls(engine, path) if path else None
 
-    def received(self, msg: dict[str, Any]) -> None:
+    def received(self, msg: GenerateRequest) -> None:
         """A generate message arrived: note when main submitted it (time.perf_counter, same clock)."""
-        if isinstance(msg.get("t_submit"), float):
-            self.submitted.append(round(msg["t_submit"], 6))
+        if msg.t_submit is not None:
+            self.submitted.append(round(msg.t_submit, 6))
 
     def record(self, t0: float, t1: float, t2: float, t3: float, n_outputs: int) -> None:
         s = self.engine.scheduler.stats
@@ -67,25 +82,24 @@ class StepTrace:
             }) + "\n")
 
 
-def handle(msg: dict[str, Any], engine: Any, wctx: WorkerContext, to_detok: zmq.Socket[Any]) -> None:
+def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: WorkerContext,
+           to_detok: zmq.Socket[Any]) -> None:
     from mllmd.engine.request import AdmissionError
 
-    kind = msg["type"]
-    logger.debug("%s %s", kind, msg.get("rid"))
-    if kind == "generate":
+    logger.debug("%s", type(msg).__name__)
+    if isinstance(msg, GenerateRequest):
         try:
-            engine.add_request(msg["rid"], msg["input_ids"], msg["params"])
+            engine.add_request(msg.rid, msg.input_ids, msg.params)
         except AdmissionError as e:
-            wctx.send_main({"type": "error", "rid": msg["rid"], "status": 400, "message": str(e), "param": e.param})
+            wctx.send_main(RequestFailed(msg.rid, "invalid_request", str(e), e.param))
             return
-        to_detok.send_pyobj({**msg, "type": "register"})
-    elif kind == "abort":
-        engine.abort(msg["rid"])
-    elif kind == "flush_cache":
-        freed = engine.flush_cache()
-        wctx.send_main({"type": "control_result", "op": "flush_cache", "id": msg.get("id"), "freed_tokens": freed})
+        p = msg.params
+        to_detok.send(encode(RegisterRequest(msg.rid, msg.input_ids, p.stop, p.skip_special_tokens, msg.meta)))
+    elif isinstance(msg, AbortRequest):
+        engine.abort(msg.rid)
     else:
-        logger.warning("unknown message type %r", kind)
+        freed = engine.flush_cache()
+        wctx.send_main(ControlResult("flush_cache", msg.id, freed))
 
 
 def run(wctx: WorkerContext) -> None:
@@ -96,15 +110,11 @@ def run(wctx: WorkerContext) -> None:
     if config.cpu_threads is None:  # leave a core to main, tokenizer and detokenizer
         config = config.replace(cpu_threads=max(1, (os.cpu_count() or 1) - 1))
     engine = Engine(config)
-    if os.environ.get("MLLMD_TESTING_SCRIPT"):  # test-only: scripted model output
-        from mllmd.testing.scripted import install_from_env
-
-        install_from_env(engine, wctx.settings["tokenizer_path"])
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     to_detok = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
     # A restarted scheduler starts with no requests: the detokenizer's state for the ones the previous
     # process ran (main failed them) would otherwise stay forever. Sent before any register.
-    to_detok.send_pyobj({"type": "reset"})
+    to_detok.send(encode(ResetRequests()))
     info = engine.info
     wctx.ready(
         context_length=info.context_length,
@@ -117,13 +127,14 @@ def run(wctx: WorkerContext) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     trace = StepTrace.from_env(engine)
+    decode = decoder(SchedulerInbox).decode
     last_stats = 0.0
     while not wctx.stopping:
         timeout = 0 if engine.has_unfinished() else 50
         t0 = time.perf_counter()
         while dict(poller.poll(timeout)).get(inbox):
-            msg = inbox.recv_pyobj()
-            if trace is not None and msg.get("type") == "generate":
+            msg = decode(inbox.recv())
+            if trace is not None and isinstance(msg, GenerateRequest):
                 trace.received(msg)
             handle(msg, engine, wctx, to_detok)
             timeout = 0
@@ -131,7 +142,7 @@ def run(wctx: WorkerContext) -> None:
         outputs = engine.step()
         t2 = time.perf_counter()
         if outputs:
-            to_detok.send_pyobj({"type": "outputs", "outputs": outputs})
+            to_detok.send(encode(TokenOutputs(outputs)))
         if trace is not None:
             trace.record(t0, t1, t2, time.perf_counter(), len(outputs))
         now = time.monotonic()

@@ -367,19 +367,17 @@ def test_token_bytes_concatenate_to_text(tok) -> None:
 def test_detokenizer_worker_reset_drops_a_dead_schedulers_requests(tok) -> None:
     """A restarted scheduler sends "reset" first: state registered by the dead one is dropped (its late
     outputs produce nothing), and requests registered afterwards stream as usual."""
-    from mllmd import SamplingParams
-    from mllmd.engine.request import RequestOutput
+    from mllmd.messages import RegisterRequest, ResetRequests, TokenOutput, TokenOutputs
     from mllmd.workers.detokenizer_worker import Detokenizer, handle
 
     detok = Detokenizer(tok)
-    params = SamplingParams(max_tokens=4)
     ids = tok.encode("Hello world")
     for rid in ("old-1", "old-2"):
-        handle(detok, {"type": "register", "rid": rid, "params": params, "input_ids": [1, 2]})
-    assert handle(detok, {"type": "reset"}) == [] and not detok.states and not detok.params and not detok.meta
-    late = RequestOutput("old-1", ids, False, None, 2, len(ids), 0)
-    assert handle(detok, {"type": "outputs", "outputs": [late]}) == []
-    handle(detok, {"type": "register", "rid": "new", "params": params, "input_ids": [1, 2]})
-    items = handle(detok, {"type": "outputs", "outputs": [RequestOutput("new", ids, True, "length", 2, len(ids), 0)]})
-    assert [(i["rid"], i["text"], i["finished"]) for i in items] == [("new", "Hello world", True)]
+        handle(detok, RegisterRequest(rid, [1, 2], [], True))
+    assert handle(detok, ResetRequests()) == [] and not detok.states and not detok.meta
+    late = TokenOutput("old-1", ids, False, None, 2, len(ids), 0)
+    assert handle(detok, TokenOutputs([late])) == []
+    handle(detok, RegisterRequest("new", [1, 2], [], True))
+    items = handle(detok, TokenOutputs([TokenOutput("new", ids, True, "length", 2, len(ids), 0)]))
+    assert [(i.rid, i.text, i.finished) for i in items] == [("new", "Hello world", True)]
     assert not detok.states

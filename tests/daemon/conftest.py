@@ -29,6 +29,7 @@ import pytest
 READY_TIMEOUT = 90.0  # model load on a busy 2-core CI box
 STOP_TIMEOUT = 20.0
 REPO_ROOT = Path(__file__).resolve().parents[2]
+SCRIPTED_SITE = Path(__file__).resolve().parent / "scripted_site"  # its sitecustomize installs the scripted sampler
 
 
 def free_port() -> int:
@@ -280,6 +281,8 @@ def start_daemon(
     if api_key:
         argv += ["--server.api_key", api_key]
     full_env = daemon_env({"RUNTIME_DIRECTORY": str(workdir), "STATE_DIRECTORY": str(workdir), **(env or {})})
+    if full_env.get("MLLMD_TESTING_SCRIPT"):  # scripted output: injected into the scheduler worker from here
+        full_env["PYTHONPATH"] = str(SCRIPTED_SITE) + os.pathsep + full_env["PYTHONPATH"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=full_env, cwd=workdir, start_new_session=True)

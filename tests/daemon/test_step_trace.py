@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from mllmd.messages import GenerateRequest
+from mllmd.sampling_params import SamplingParams
 from mllmd.workers.scheduler_worker import StepTrace
 from scripts.serving_timeline import lags
 from scripts.step_trace_summary import summarize
@@ -30,8 +32,8 @@ def test_lines_carry_each_steps_tokens_and_times(tmp_path: Path, monkeypatch: py
     trace = StepTrace.from_env(engine)
     assert trace is not None
     stats = engine.scheduler.stats
-    trace.received({"type": "generate", "rid": "a", "t_submit": 9.5})
-    trace.received({"type": "generate", "rid": "b"})  # no submit time (an older main): not listed
+    trace.received(GenerateRequest("a", [1], SamplingParams(), t_submit=9.5))
+    trace.received(GenerateRequest("b", [1], SamplingParams()))  # no submit time: not listed
     stats.prefill_tokens_computed = 300  # a mixed step: one prompt of 300 and 2 decodes
     stats.decode_tokens_computed = 2
     trace.record(10.0, 10.001, 10.021, 10.0215, 2)

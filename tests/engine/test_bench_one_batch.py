@@ -26,11 +26,11 @@ def test_prefill_repeats_report_the_median_and_profile_the_prefill(tmp_path: Pat
     assert line["prefill_throughput"] == 2 * 12 / line["prefill_latency"]
     assert line["median_decode_latency"] > 0 and line["quantization"] is None
     trace = Path(line["profile_trace"])
-    table = trace.with_suffix(".txt").read_text()
-    assert trace.exists()
-    # Exactly one forward (the prefill) ran under the profiler: the decode steps (2 more) did not.
-    rows = [ln.split() for ln in table.splitlines() if ln.strip().startswith("aten::embedding ")]
-    assert rows and int(rows[0][-1]) == 1, rows
+    assert trace.with_suffix(".txt").read_text()  # the summary tables
+    # Exactly one forward (the prefill) ran under the profiler: the decode steps (2 more) did not. Counted
+    # from the trace's events (the summary table is cut to its 40 busiest rows, which varies with load).
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e.get("name") == "aten::embedding" for e in events) == 1
 
 
 def test_hf_baseline_fields_are_ratios_of_the_same_run(tmp_path: Path) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from mllmd.models.quantization import W4A16, W8A8, LinearScheme, UnsupportedQuantization, parse_quant_config
-from mllmd.testing.checkpoints import shared_models_dir
+from mllmd.testing.checkpoints import find_model_source
 
-REDHAT_W4A16 = shared_models_dir() / "RedHatAI-Qwen3.5-9B-quantized.w4a16" / "config.json"
+REDHAT_W4A16 = find_model_source("RedHatAI-Qwen3.5-9B-quantized.w4a16") / "config.json"
 
 
 def ct_config(preset: str, fmt: str | None = None, ignore: list[str] | None = None, **weight_overrides: Any) -> dict:
@@ -161,7 +161,6 @@ def test_mixed_precision_is_refused(quantized: Any) -> None:
         parse_quant_config(raw)
 
 
-@pytest.mark.skipif(not REDHAT_W4A16.is_file(), reason="shared/models is not beside the repository")
 def test_real_qwen3_5_w4a16_config_parses_and_ignores_the_right_modules() -> None:
     raw = json.loads(REDHAT_W4A16.read_text())
     cfg = parse_quant_config(raw)

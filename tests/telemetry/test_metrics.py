@@ -20,6 +20,7 @@ from mllmd.daemon.metrics import (
     Metrics,
     RequestTimeline,
 )
+from mllmd.messages import EngineStats, KVUsage, TextOutput
 from mllmd.telemetry.collector import TelemetrySnapshot
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -74,11 +75,14 @@ def loaded() -> Metrics:
     return m
 
 
-def stats(running: int = 0, waiting: int = 0, preemptions: int = 0, **kv: int) -> dict[str, Any]:
-    kv = {"total": 1000, "free": 1000, "cached": 0, "evictable": 0, **kv}
-    return {"type": "stats", "running": running, "waiting": waiting, "kv": kv,
-            "prefill_tokens_computed": 0, "decode_tokens_computed": 0, "cached_prompt_tokens": 0,
-            "preemptions": preemptions}
+def stats(running: int = 0, waiting: int = 0, preemptions: int = 0, **kv: int) -> EngineStats:
+    usage = KVUsage(**{"total": 1000, "free": 1000, "cached": 0, "evictable": 0, **kv})
+    return EngineStats(running, waiting, usage, 0, 0, 0, preemptions)
+
+
+def output(rid: str = "r", completion_tokens: int = 0, finished: bool = False, finish_reason: str | None = None,
+           prompt_tokens: int = 0, cached_tokens: int = 0) -> TextOutput:
+    return TextOutput(rid, "", [], finished, finish_reason, None, None, prompt_tokens, completion_tokens, cached_tokens)
 
 
 def test_every_serving_name_and_type() -> None:
@@ -135,8 +139,8 @@ def test_engine_stats_gauges() -> None:
     assert get(m, "mllmd_requests_running", **MODEL) == 3
     assert get(m, "mllmd_requests_waiting", **MODEL) == 2
     assert get(m, "mllmd_kv_cache_usage_ratio", **MODEL) == pytest.approx(0.3)  # (1000 - 600 - 100) / 1000
-    m.observe_engine_stats({"running": "x", "kv": {"total": 0, "free": 0}})  # junk: ignored
-    assert get(m, "mllmd_requests_running", **MODEL) == 3
+    m.observe_engine_stats(stats(running=4, total=0, free=0))  # no KV total (yet): the ratio stays
+    assert get(m, "mllmd_requests_running", **MODEL) == 4
     assert get(m, "mllmd_kv_cache_usage_ratio", **MODEL) == pytest.approx(0.3)
 
 
@@ -223,10 +227,10 @@ def test_worker_restarts() -> None:
 
 def test_timeline_spreads_batched_deliveries() -> None:
     tl = RequestTimeline(arrival=0.0)
-    tl.add({"prompt_tokens": 9, "cached_tokens": 4, "completion_tokens": 1}, 0.5)
-    tl.add({"completion_tokens": 1}, 0.55)  # text only, no new token
-    tl.add({"completion_tokens": 3}, 0.7)
-    tl.add({"completion_tokens": 4}, 0.8)
+    tl.add(output(prompt_tokens=9, cached_tokens=4, completion_tokens=1), 0.5)
+    tl.add(output(prompt_tokens=9, cached_tokens=4, completion_tokens=1), 0.55)  # text only, no new token
+    tl.add(output(prompt_tokens=9, cached_tokens=4, completion_tokens=3), 0.7)
+    tl.add(output(prompt_tokens=9, cached_tokens=4, completion_tokens=4), 0.8)
     assert tl.first_token == 0.5
     assert tl.token_times == pytest.approx([0.5, 0.6, 0.7, 0.8])
     assert (tl.prompt_tokens, tl.cached_tokens, tl.completion_tokens) == (9, 4, 4)
@@ -235,10 +239,10 @@ def test_timeline_spreads_batched_deliveries() -> None:
 def test_on_output_observes_finished_requests() -> None:
     m = loaded()
     base = {"rid": "r1", "prompt_tokens": 12, "cached_tokens": 8}
-    m.on_output("r1", {**base, "completion_tokens": 1, "finished": False}, arrival=100.0, now=100.3)
-    m.on_output("r1", {**base, "completion_tokens": 2, "finished": False}, arrival=100.0, now=100.35)
+    m.on_output("r1", output(**base, completion_tokens=1), arrival=100.0, now=100.3)
+    m.on_output("r1", output(**base, completion_tokens=2), arrival=100.0, now=100.35)
     assert "mllmd_request_success_total" not in samples_names(m)
-    m.on_output("r1", {**base, "completion_tokens": 3, "finished": True, "finish_reason": "length"},
+    m.on_output("r1", output(**base, completion_tokens=3, finished=True, finish_reason="length"),
                 arrival=100.0, now=100.4)
     assert get(m, "mllmd_request_success_total", finished_reason="length", **MODEL) == 1
     assert get(m, "mllmd_generation_tokens_total", **MODEL) == 3
@@ -246,7 +250,7 @@ def test_on_output_observes_finished_requests() -> None:
     assert get(m, "mllmd_time_to_first_token_seconds_sum", **MODEL) == pytest.approx(0.3)
     assert get(m, "mllmd_inter_token_latency_seconds_count", **MODEL) == 2
     assert get(m, "mllmd_e2e_request_latency_seconds_sum", **MODEL) == pytest.approx(0.4)
-    m.on_output("r2", {"completion_tokens": 1}, arrival=0.0, now=1.0)
+    m.on_output("r2", output("r2", completion_tokens=1), arrival=0.0, now=1.0)
     m.forget("r2")
     assert not m._timelines
 

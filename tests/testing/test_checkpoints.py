@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,11 +12,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from mllmd.demo import DEMO_MODEL_NAME, ensure_demo_model
 from mllmd.testing import checkpoints as ck
-from mllmd.testing.demo import DEMO_MODEL_NAME, ensure_demo_model
 from mllmd.testing.tokenizer import DATA_DIR
 
 SOURCE = ck.find_model_source("Qwen3-0.6B")
+VENDORED = ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-VL-2B-Instruct", "Qwen3.5-0.8B", "Qwen3.5-2B", "Qwen3.5-4B",
+            "Qwen3.5-9B", "RedHatAI-Qwen3.5-9B-quantized.w4a16")
 PROMPTS = [
     [9707, 11, 1879, 0, 358, 2776, 264, 1273],  # "Hello, world! I'm a test"
     [104307, 3837, 99489, 1773],
@@ -180,17 +184,30 @@ def test_quantized_sources_are_refused(tmp_path: Path) -> None:
         ck.build_tiny_checkpoint(tmp_path / "out", str(source))
 
 
-def test_packaged_configs_are_used_without_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_vendored_configs_are_used_without_shared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLLMD_SHARED_MODELS", str(tmp_path / "no-shared"))
-    assert ck.find_model_source("Qwen3-0.6B") == DATA_DIR / "Qwen3-0.6B"
-    with pytest.raises(FileNotFoundError, match="Qwen3-8B"):
-        ck.find_model_source("Qwen3-8B")
+    for name in VENDORED:
+        assert ck.find_model_source(name) == DATA_DIR / name
+    with pytest.raises(FileNotFoundError, match="Qwen9-1B"):
+        ck.find_model_source("Qwen9-1B")
 
 
-@pytest.mark.skipif(SOURCE.parent == DATA_DIR, reason="shared/models not present")
-def test_packaged_configs_equal_the_shared_ones() -> None:
-    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
-        assert (DATA_DIR / "Qwen3-0.6B" / name).read_bytes() == (SOURCE / name).read_bytes()
+def test_vendored_configs_are_the_upstream_files() -> None:
+    """Every vendored file has the git blob id its README gives (the id the Hub shows for the upstream
+    file), and equals the shared copy where shared/models is beside the repository."""
+    rows = re.findall(r"^\| ([^|]+?) \| (\d+) \| `([0-9a-f]+)` \|", (DATA_DIR / "README.md").read_text(), re.M)
+    assert len(rows) >= 27
+    listed = set()
+    for name, size, blob in rows:
+        data = (DATA_DIR / name).read_bytes()
+        assert len(data) == int(size), name
+        assert hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest().startswith(blob), name
+        listed.add(name)
+        shared = ck.shared_models_dir() / name
+        if shared.is_file():
+            assert shared.read_bytes() == data, name
+    on_disk = {str(p.relative_to(DATA_DIR)) for p in DATA_DIR.glob("*/*")}
+    assert on_disk == listed
 
 
 def test_mrope_sections_are_rescaled() -> None:
@@ -202,7 +219,6 @@ def test_mrope_sections_are_rescaled() -> None:
     assert sum(partial["mrope_section"]) == 8
 
 
-@pytest.mark.skipif(not (ck.shared_models_dir() / "Qwen3.5-0.8B").is_dir(), reason="no shared Qwen3.5")
 def test_qwen3_5_checkpoint(tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 
@@ -245,9 +261,6 @@ def test_stale_demo_model_is_rebuilt(tmp_path: Path) -> None:
     assert (path / "README.md").is_file()
 
 
-@pytest.mark.skipif(
-    not (ck.shared_models_dir() / "Qwen3-VL-2B-Instruct").is_dir(), reason="no shared Qwen3-VL"
-)
 def test_qwen3_vl_checkpoint(tmp_path: Path) -> None:
     from transformers import AutoModelForImageTextToText
 

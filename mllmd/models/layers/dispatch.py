@@ -7,10 +7,10 @@ for comparisons and for bisecting a numerical difference (read once, when the pr
 
 from __future__ import annotations
 
-import os
-
 import torch
 from mllmd_kernels._triton import use_triton
+
+from mllmd import knobs
 
 # Rows up to which a dense projection uses the Triton GEMV instead of cuBLAS. At one row it reads
 # the weights 2-27% faster than cuBLAS on the Qwen3-8B projections (H200); from two rows on the two
@@ -19,7 +19,7 @@ GEMV_MAX_ROWS = 1
 
 
 # Read once: these checks run for every layer of every eager step.
-_DISABLED = os.environ.get("MLLMD_DISABLE_FUSED_KERNELS", "0") == "1"
+_DISABLED = knobs.DISABLE_FUSED_KERNELS
 
 
 def fused_kernels(x: torch.Tensor) -> bool:

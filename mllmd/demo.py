@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mllmd.knobs import cache_dir as default_cache_dir
 from mllmd.testing.checkpoints import MARKER_NAME, build_tiny_checkpoint
-from mllmd.testing.tokenizer import cache_dir as default_cache_dir
 
 DEMO_MODEL_NAME = "mllmd-demo-random-weights"
 DEMO_SOURCE = "Qwen3-0.6B"

@@ -1,0 +1,249 @@
+"""Every message that crosses a process boundary, each defined once (msgspec structs over ZMQ).
+
+A request's hops and the message each one carries:
+
+    main -> tokenizer        TokenizeRequest (prompt, validated SamplingParams, the output-token budget)
+    main -> scheduler        GenerateRequest (token-id prompts skip the tokenizer), AbortRequest, FlushCache
+    tokenizer -> scheduler   GenerateRequest (one per choice)
+    scheduler -> detok       RegisterRequest, TokenOutputs (TokenOutput per request per step), ResetRequests
+    detok -> main            TextOutputs (TextOutput per request per step)
+    any worker -> main       Heartbeat, WorkerReady, WorkerFatal, RequestFailed; scheduler: EngineStats,
+                             ControlResult
+
+OpenAI request objects never leave the main process; workers report a failed request as
+`RequestFailed` with an `ErrorCode`, which the main process maps to its HTTP status.
+
+msgspec rather than pickled dataclasses or dicts: the decode path sends one TokenOutputs and one
+TextOutputs a step, and msgpack-encoded array-like structs encode and decode several times faster
+than pickled dicts (and an order of magnitude faster than pickled frozen dataclasses), with the
+types checked on decode. This module is a torch-free leaf: the main process imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from mllmd.sampling_params import SamplingParams
+
+
+class _Message(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """A message: encoded as an array whose first item is the class name (its tag)."""
+
+
+# ---- prompts and what the tokenizer learns about them -------------------------------------------
+class ChatPrompt(msgspec.Struct, frozen=True, tag=True):
+    """Chat messages ready for the model's chat template (tools already dropped for tool_choice none)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = {}
+
+
+class TextPrompt(msgspec.Struct, frozen=True, tag=True):
+    text: str
+
+
+class TokenPrompt(msgspec.Struct, frozen=True, tag=True):
+    ids: list[int]
+
+
+Prompt = ChatPrompt | TextPrompt | TokenPrompt
+
+
+class PromptMeta(msgspec.Struct, frozen=True):
+    """Facts about the built prompt that the output side needs."""
+
+    starts_in_reasoning: bool = False  # the chat template ended the prompt inside <think>
+
+
+class OutputBudget(msgspec.Struct, frozen=True):
+    """How many tokens a choice may generate: the client's `requested`, else `default` (None: the rest
+    of the context), never more than the context leaves after the prompt (see sampling_params.fit_max_tokens)."""
+
+    requested: int | None = None
+    default: int | None = None
+    param: str = "max_tokens"  # the request field named when the budget is at fault
+
+
+# ---- main -> tokenizer -> scheduler ---------------------------------------------------------------
+class TokenizeRequest(_Message):
+    """One prompt with one sampling run per rid (n choices); `group` names them together."""
+
+    group: str
+    rids: list[str]
+    prompt: Prompt
+    params: SamplingParams  # validated; max_tokens is set from `budget` once the prompt length is known
+    budget: OutputBudget
+    prompt_param: str = "messages"  # the request field named when the prompt is at fault
+    t_submit: float | None = None  # main's time.perf_counter() at submission (MLLMD_STEP_TRACE)
+
+
+class GenerateRequest(_Message):
+    """A tokenized choice for the engine."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    meta: PromptMeta = PromptMeta()
+    t_submit: float | None = None
+
+
+class AbortRequest(_Message):
+    rid: str
+
+
+class FlushCache(_Message):
+    id: str
+
+
+# ---- scheduler -> detokenizer ------------------------------------------------------------------------
+class RegisterRequest(_Message):
+    """What the detokenizer keeps for an admitted request."""
+
+    rid: str
+    prompt_ids: list[int]
+    stop: list[str]
+    skip_special_tokens: bool
+    meta: PromptMeta = PromptMeta()
+
+
+class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
+    """What changed for one request in one engine step (new tokens are a delta). The engine's
+    per-step output, in process (offline LLM) and across the scheduler -> detokenizer hop."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    matched_stop: int | str | None = None
+
+
+class TokenOutputs(_Message):
+    outputs: list[TokenOutput]
+
+
+class ResetRequests(_Message):
+    """A new scheduler process started: whatever the previous one ran is gone."""
+
+
+# ---- detokenizer -> main -----------------------------------------------------------------------------
+class TopLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    token: str
+    bytes: list[int]
+    logprob: float
+    top: list[TopLogprob]
+
+
+class TextOutput(msgspec.Struct, frozen=True, array_like=True):
+    """A TokenOutput after detokenization and stop strings: what main streams to the client."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    matched_stop: int | str | None
+    matched_stop_str: str | None  # set when a stop string ended it (the engine must be told to stop)
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None = None
+    meta: PromptMeta = PromptMeta()
+
+
+class TextOutputs(_Message):
+    items: list[TextOutput]
+
+
+# ---- workers -> main ---------------------------------------------------------------------------------
+ErrorCode = Literal["invalid_request", "unavailable", "internal"]
+
+
+class RequestFailed(_Message):
+    """A request (or every choice of a group: `rid` may be a group name) ended with an error."""
+
+    rid: str
+    code: ErrorCode
+    message: str
+    param: str | None = None
+
+
+class Heartbeat(_Message):
+    worker: str
+    pid: int
+    time: float
+
+
+class WorkerReady(_Message):
+    """A worker finished starting; the scheduler and tokenizer say what they loaded."""
+
+    worker: str
+    pid: int
+    context_length: int | None = None
+    vocab_size: int | None = None
+    max_total_tokens: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+    architecture: str | None = None
+
+
+class WorkerFatal(_Message):
+    worker: str
+    pid: int
+    message: str
+
+
+class KVUsage(msgspec.Struct, frozen=True, array_like=True):
+    total: int
+    free: int
+    cached: int
+    evictable: int
+
+
+class EngineStats(_Message):
+    running: int
+    waiting: int
+    kv: KVUsage
+    prefill_tokens_computed: int
+    decode_tokens_computed: int
+    cached_prompt_tokens: int
+    preemptions: int
+
+
+class ControlResult(_Message):
+    op: str
+    id: str
+    freed_tokens: int = 0
+
+
+# ---- what each socket receives ---------------------------------------------------------------------
+MainInbox = Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
+TokenizerInbox = TokenizeRequest
+SchedulerInbox = GenerateRequest | AbortRequest | FlushCache
+DetokenizerInbox = RegisterRequest | TokenOutputs | ResetRequests
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: _Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decoder(inbox: Any) -> msgspec.msgpack.Decoder[Any]:
+    """A decoder for one socket's union of messages (type errors raise msgspec.ValidationError)."""
+    return msgspec.msgpack.Decoder(inbox)
