@@ -54,7 +54,17 @@ class EngineConfig:
         "waiting prompts fill a prefill chunk or the free request slots; 0: admit at once (on the H200, 20 ms "
         "gained nothing measurable with 64 streams)",
     )
+    max_encoder_tokens_per_step: int = _f(
+        "scheduler", 4096,
+        "image tokens whose vision-encoder output a step may compute (a prefill chunk that needs more "
+        "waits for the next step; an image larger than this is encoded alone in its step)",
+    )
     page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
+    encoder_cache_mb: int = _f(
+        "cache", 256,
+        "memory for vision-encoder outputs kept by image content, so that an image seen again (a later "
+        "chat turn, another request) is not encoded again; least recently used first out",
+    )
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
     mem_fraction_static: float = _f("runtime", 0.85, "fraction of device memory for weights + KV cache")
@@ -138,6 +148,8 @@ def validate(cfg: EngineConfig) -> None:
     at_least("cpu_kv_cache_max_tokens", 2)
     at_least("cpu_threads", 1)
     at_least("cuda_graph_max_bs", 1)
+    at_least("max_encoder_tokens_per_step", 1)
+    at_least("encoder_cache_mb", 0)
     if cfg.page_size != 1:
         raise ConfigError(_key("page_size"), f"only 1 is supported; got {cfg.page_size}")
     if not 0.0 < cfg.mem_fraction_static < 1.0:

@@ -12,44 +12,47 @@ Rows B..S-1 are padding: token 0 at position 0, writing its K/V to the reserved 
 attending over one token of request row 0 (reads only), so they change nothing another request can
 see. Logits of all S rows come out of the graph; the step uses the first B.
 
-Attention backends whose per-step metadata depends only on shapes (the Triton backend: the split
-count is a function of the batch size) need nothing at replay; a backend may define
-`prepare_replay(batch)` to refresh device-side metadata before each replay.
+The runner is handed what it uses (the model, the attention backend, the engine's token buffer),
+never the model runner. Attention backends whose per-step metadata depends only on shapes (the
+Triton backend: the split count is a function of the batch size) need nothing at replay; a backend's
+`prepare_replay` refreshes device-side metadata before each replay where it must.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import weakref
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from mllmd_kernels import decode_inputs, pdl_launches
 from mllmd_kernels._triton import use_triton
 
+from mllmd.engine.attention import AttentionBackend, PagedAttentionStep
 from mllmd.engine.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from mllmd.engine.model_runner import ModelRunner
+from mllmd.engine.model_forward import forward_logits
 
 logger = logging.getLogger(__name__)
 
 # rows of a graph's static inputs
-IDS, POSITIONS, LOCS, ROWS, SEQ_LENS, FILL = range(6)
-NUM_INPUT_ROWS = 6
+# POSITIONS: each row's token index (its request-table column); ROPE: the position the model rotates it
+# by (the same, but for M-RoPE prompts with images: index + the request's delta)
+IDS, POSITIONS, LOCS, ROWS, SEQ_LENS, FILL, ROPE = range(7)
+NUM_INPUT_ROWS = 7
 
 
 def host_inputs(
-    input_ids: list[int], positions: list[int], req_pool_indices: list[int], seq_lens: list[int], fill: list[int], size: int
+    input_ids: list[int], positions: list[int], req_pool_indices: list[int], seq_lens: list[int], fill: list[int], size: int,
+    rope_positions: list[int] | None = None,
 ) -> list[int]:
     """A graph's [NUM_INPUT_ROWS, size] inputs, flat, for B real rows: padding rows are token 0 at
     position 0 of request row 0, one token long; every KV slot is 0 (the real ones are copied in from
     the device afterwards)."""
     pad = [0] * (size - len(input_ids))
+    rope = positions if rope_positions is None else rope_positions
     return [
         *input_ids, *pad, *positions, *pad, *[0] * size, *req_pool_indices, *pad, *seq_lens, *[1] * len(pad),
-        *fill, *pad,
+        *fill, *pad, *rope, *pad,
     ]  # fmt: skip
 
 
@@ -72,36 +75,38 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     """Captures decode for each size in `batch_sizes`; `run(batch)` replays the fitting one."""
 
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
-        # A weak reference: the runner owns this object, and a cycle would keep the model, the KV pool
-        # and the graphs' memory alive after the engine is dropped, until the garbage collector ran.
-        self.runner = weakref.proxy(runner)
+    def __init__(self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, batch_sizes: list[int]) -> None:
+        """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device)."""
+        self.model = model
+        self.backend = backend
+        self.token_buf = token_buf
+        self.req_to_token = backend.req_to_token
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
-        dev = runner.device
+        self.device = dev = token_buf.device
         n = self.max_bs
-        i64 = {"dtype": torch.int64, "device": dev}
+        i64 = torch.int64
         # per size S: rows input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, fill
-        self.inputs = {s: torch.zeros((NUM_INPUT_ROWS, s), **i64) for s in self.batch_sizes}
+        self.inputs = {s: torch.zeros((NUM_INPUT_ROWS, s), dtype=i64, device=dev) for s in self.batch_sizes}
         for buf in self.inputs.values():
             buf[SEQ_LENS].fill_(1)
         # Without Triton the two input fixes run eagerly before the replay (torch ops, see stage).
         self.fused_inputs = use_triton(self.inputs[n])
-        self.ones = torch.ones(n, **i64)
-        self.arange = torch.arange(n, **i64)
+        self.ones = torch.ones(n, dtype=i64, device=dev)
+        self.arange = torch.arange(n, dtype=i64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.steps: dict[int, PagedAttentionStep] = {}  # each graph's attention step, as captured
+        self.pool: Any = None
         self._capture_all()
 
     def _batch(self, size: int, bs: int | None = None) -> ForwardBatch:
         """The first `bs` rows (default all) of size `size`'s static inputs, as a decode batch."""
-        r = self.runner
         s = self.inputs[size]
         bs = size if bs is None else bs
         return ForwardBatch(
             input_ids=s[IDS, :bs],
-            positions=s[POSITIONS, :bs],
+            positions=s[ROPE, :bs],
             out_cache_loc=s[LOCS, :bs],
             req_pool_indices=s[ROWS, :bs],
             seq_lens=s[SEQ_LENS, :bs],
@@ -110,30 +115,27 @@ class CudaGraphRunner:
             seq_lens_cpu=[1] * bs,
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
-            req_to_token_pool=r.req_to_token_pool,
-            kv_pool=r.kv_pool,
-            attn_backend=r.attn_backend,
             graph_size=size,
         )
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        stream = torch.cuda.Stream(self.runner.device)
+        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
         with pdl_launches():  # on sm90: kernels overlap their start with the previous kernel's tail
             self._capture_on(stream)
         torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def _step(self, size: int) -> torch.Tensor:
         """What a graph runs: complete the inputs (fused), then the decode forward of all `size` rows."""
         batch = self._batch(size)
-        self.runner.attn_backend.init_forward_metadata(batch)
+        step = self.steps[size] = self.backend.plan(batch)
         if self.fused_inputs:
-            s, r = self.inputs[size], self.runner
-            decode_inputs(s[IDS], s[POSITIONS], s[LOCS], s[ROWS], s[FILL], r.token_buf, r.req_to_token_pool.req_to_token)
-        return self.runner.forward_eager(batch)
+            s = self.inputs[size]
+            decode_inputs(s[IDS], s[POSITIONS], s[LOCS], s[ROWS], s[FILL], self.token_buf, self.req_to_token)
+        return forward_logits(self.model, batch, step)
 
     def _capture_on(self, stream: torch.cuda.Stream) -> None:
         # The static inputs hold zeros here (no fill, slot 0): the warm-up and capture runs write no
@@ -174,6 +176,7 @@ class CudaGraphRunner:
         fill: list[int],  # 1: the row's token is the token buffer's entry of its request row
         out_cache_loc: torch.Tensor,  # [B] int64 on the device
         prefix_lens: list[int],
+        rope_positions: list[int] | None = None,  # where they differ from `positions` (M-RoPE)
     ) -> ForwardBatch:
         """Write a decode step of B rows (every row samples) into the inputs of the graph that runs it:
         one host-to-device copy (padding included) and one copy of the KV slots. The returned batch's
@@ -181,7 +184,7 @@ class CudaGraphRunner:
         bs = len(input_ids)
         size = self.size_for(bs)
         assert size is not None, f"no decode graph for {bs} rows"
-        host = host_inputs(input_ids, positions, req_pool_indices, seq_lens, fill, size)
+        host = host_inputs(input_ids, positions, req_pool_indices, seq_lens, fill, size, rope_positions)
         buf = self.inputs[size]
         buf.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True).view(NUM_INPUT_ROWS, size), non_blocking=True)
         buf[LOCS, :bs].copy_(out_cache_loc)
@@ -189,16 +192,13 @@ class CudaGraphRunner:
         batch.seq_lens_cpu = list(seq_lens)
         batch.prefix_lens_cpu = list(prefix_lens)
         if not self.fused_inputs:
-            r = self.runner
-            complete_inputs_eagerly(buf, bs, r.token_buf, r.req_to_token_pool.req_to_token)
+            complete_inputs_eagerly(buf, bs, self.token_buf, self.req_to_token)
         return batch
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [B, V] float32 of a staged decode batch, by graph replay."""
         size = batch.graph_size
         assert size > 0, "only a batch from stage() replays a graph"
-        prepare = getattr(self.runner.attn_backend, "prepare_replay", None)
-        if prepare is not None:
-            prepare(self._batch(size))
+        self.backend.prepare_replay(self.steps[size])
         self.graphs[size].replay()
         return self.logits[size][: batch.batch_size]

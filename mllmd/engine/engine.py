@@ -12,11 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from mllmd.config import EngineConfig
-from mllmd.engine.device_io import PendingFetch, to_device
+from mllmd.engine.device_io import PendingFetch
 from mllmd.engine.model_runner import ModelRunner
 from mllmd.engine.prefix_cache import ChunkCache, PrefixCache, RadixCache
-from mllmd.engine.request import PLACEHOLDER, AdmissionError, Req, ReqStatus
-from mllmd.engine.sampling import Sampler, SamplingBatchInfo
+from mllmd.engine.request import PLACEHOLDER, AdmissionError, EngineImage, Req, ReqStatus
+from mllmd.engine.sampling import uses_output_penalties
 from mllmd.engine.scheduler import Scheduler
 from mllmd.messages import TokenOutput
 from mllmd.sampling_params import SamplingParams
@@ -31,10 +31,6 @@ class _Launched:
     reqs: list[Req]
     positions: list[int]
     pending: PendingFetch
-
-
-def _uses_output_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _drop_placeholders(req: Req) -> None:
@@ -63,7 +59,6 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size,
             prefill_wait_s=config.prefill_wait_ms / 1e3,
         )
-        self.sampler = Sampler()
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
         ov = config.overlap_schedule
         self.overlap: bool = self.runner.device.type == "cuda" if ov is None else ov
@@ -73,8 +68,11 @@ class Engine:
         self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
 
     # ---- admission ---------------------------------------------------------------------------
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; AdmissionError (naming the numbers) if it can never be served."""
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, images: list[EngineImage] | None = None
+    ) -> None:
+        """Queue a request; AdmissionError (naming the numbers) if it can never be served. `images`: the
+        prompt's images in order, each over its run of image tokens (vision-language models)."""
         if rid in self.reqs:
             raise AdmissionError(f"request id {rid!r} is already in use")
         info = self.info
@@ -97,8 +95,11 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds the KV cache of {self.runner.max_total_tokens} tokens"
             )
+        mrope = check_images(prompt_ids, images or [], info.image_token_id, info.spatial_merge_size)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed & SEED_MASK)
+        req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed & SEED_MASK, images=list(images or []))
+        if mrope is not None:
+            req.mrope_positions, req.mrope_delta = mrope
         self.reqs[rid] = req
         self.scheduler.add(req)
 
@@ -153,28 +154,13 @@ class Engine:
         """Overlap needs no output token on the host before sampling: not with penalties."""
         if not self.overlap:
             return False
-        return not any(_uses_output_penalties(r.params) for r in self.scheduler.running)
+        return not any(uses_output_penalties(r.params) for r in self.scheduler.running)
 
     def _launch_sampling(self, reqs: list[Req], logits: torch.Tensor, rows: torch.Tensor | None = None) -> _Launched:
         """Sample on the device and start copying the tokens back; with overlap, each request gets a
-        placeholder token that the device-side token buffer stands in for until _complete fills it.
+        placeholder token that the runner's device-side token stands in for until _complete fills it.
         `rows`: the requests' slots on the device already (else they are copied up)."""
-        params = [r.params for r in reqs]
-        info = SamplingBatchInfo.build(
-            params,
-            [r.seed for r in reqs],
-            [r.prompt_ids for r in reqs],
-            [r.output_ids if _uses_output_penalties(p) else [] for r, p in zip(reqs, params)],
-            self.info.vocab_size,
-            self.runner.device,
-            positions=[r.num_output for r in reqs],
-        )
-        sink = None
-        if self.overlap:  # the sampler writes each token into the device-side buffer too
-            if rows is None:
-                rows = to_device([r.req_pool_idx for r in reqs], torch.int64, self.runner.device)
-            sink = (self.runner.token_buf, rows)
-        out = self.sampler(logits, info, token_sink=sink)
+        out = self.runner.sample(reqs, logits, rows, keep_on_device=self.overlap)
         positions = [len(r.token_ids) for r in reqs]
         if self.overlap:
             for r in reqs:
@@ -202,7 +188,7 @@ class Engine:
             if req.params.logprobs and chosen_lp is not None:
                 lp = [chosen_lp[i]]
                 k = req.params.top_logprobs
-                top = [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k and top_ids is not None else [[]]
+                top = [list(zip(top_ids[i][:k], top_lps[i][:k]))] if k and top_ids is not None and top_lps is not None else [[]]
                 req.logprobs += lp
                 req.top_logprobs += top
             num_output = pos + 1 - len(req.prompt_ids)
@@ -270,3 +256,42 @@ class Engine:
             and pool.available_size() == pool.size
             and self.cache.protected_size() == 0
         )
+
+
+def check_images(
+    prompt_ids: list[int], images: list[EngineImage], image_token_id: int | None, merge: int
+) -> tuple[torch.Tensor, int] | None:
+    """Check that the images cover exactly the prompt's runs of image tokens; their M-RoPE positions
+    ([3, P], delta) when there are any. AdmissionError says what disagrees."""
+    runs: list[tuple[int, int]] = []
+    if image_token_id is not None:
+        i = 0
+        while i < len(prompt_ids):
+            if prompt_ids[i] == image_token_id:
+                j = i
+                while j < len(prompt_ids) and prompt_ids[j] == image_token_id:
+                    j += 1
+                runs.append((i, j))
+                i = j
+            else:
+                i += 1
+    if not images:
+        if runs:
+            raise AdmissionError(f"the prompt holds {len(runs)} image placeholder runs but no image", "messages")
+        return None
+    if image_token_id is None:
+        raise AdmissionError("the loaded model does not take images", "messages")
+    got = [(im.start, im.end) for im in images]
+    if got != runs:
+        raise AdmissionError(f"the images cover prompt tokens {got} but the image tokens are at {runs}", "messages")
+    for k, im in enumerate(images):
+        t, h, w = im.grid_thw
+        if t * h * w != im.num_tokens * merge * merge:
+            raise AdmissionError(f"image {k + 1}: a {t}x{h}x{w} grid is not {im.num_tokens} image tokens", "messages")
+    from mllmd.models.mrope import mrope_positions
+
+    types = [0] * len(prompt_ids)
+    for s, e in runs:
+        types[s:e] = [1] * (e - s)
+    return mrope_positions(types, [im.grid_thw for im in images], merge)
+

@@ -1,15 +1,13 @@
-"""Inputs of one model step: a mixed batch of prefill chunks and decodes."""
+"""Inputs of one model step: a mixed batch of prefill chunks and decodes (tensors and their host
+lengths only: the pools and the attention backend are the runner's, passed where they are needed)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:
-    from mllmd.engine.attention.base import AttentionBackend
-    from mllmd.engine.memory import KVPool, ReqToTokenPool
+from mllmd.models.multimodal import ImageEmbeds
 
 
 @dataclass
@@ -20,7 +18,7 @@ class ForwardBatch:
     """
 
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, or [3, T] (M-RoPE, a step with image prompt tokens)
     out_cache_loc: torch.Tensor  # [T] int64 KV slot of each new token
     req_pool_indices: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int64, tokens with KV after this step
@@ -29,11 +27,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
-    req_to_token_pool: ReqToTokenPool
-    kv_pool: KVPool
-    attn_backend: AttentionBackend
-    attn_metadata: Any = field(default=None)
     graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
+    images: ImageEmbeds | None = None  # the step's image tokens (vision-language models)
 
     @property
     def batch_size(self) -> int:

@@ -1,4 +1,5 @@
-"""ModelRunner: loads the model, sizes and owns the KV memory, turns a scheduled batch into logits."""
+"""ModelRunner: loads the model, sizes and owns the KV memory, turns a scheduled batch into logits
+and samples its tokens (keeping each request slot's sampling state and last token on the device)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ import torch
 from mllmd.config import EngineConfig
 from mllmd.engine.attention import AttentionBackend, create_attention_backend
 from mllmd.engine.cuda_graph import CudaGraphRunner, capture_batch_sizes
-from mllmd.engine.device_io import to_device_parts
+from mllmd.engine.device_io import to_device, to_device_parts
+from mllmd.engine.encoder_cache import EncoderCache
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
-from mllmd.engine.request import PLACEHOLDER
+from mllmd.engine.model_forward import forward_logits
+from mllmd.engine.request import PLACEHOLDER, Req
+from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
 from mllmd.engine.scheduler import ScheduledBatch
+from mllmd.engine.vision_runner import VisionRunner, mrope_step_positions
 from mllmd.models import get_model_class
+from mllmd.models.layers import plan_fusions
 from mllmd.models.loader import iter_weights
 from mllmd.models.quantization import parse_quant_config
 
@@ -45,6 +51,8 @@ class ModelInfo:
     head_dim: int
     weight_bytes: int  # bytes of the stored weights (quantized tensors as stored, not dequantized copies)
     quantization: str | None = None  # "w8a8" | "w4a16" (compressed-tensors) | None
+    image_token_id: int | None = None  # vision-language models: the token an image's positions hold
+    spatial_merge_size: int = 2  # patches per image token along each side
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,7 +77,8 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
 def read_eos_token_ids(model_path: str, hf_config: Any) -> list[int]:
     """EOS ids from config.json and generation_config.json (as transformers' generate uses them)."""
     ids: list[int] = []
-    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    text = getattr(hf_config, "text_config", None)  # a vision-language config keeps the decoder's facts there
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None), getattr(text, "eos_token_id", None)]
     gen = Path(model_path) / "generation_config.json"
     if gen.is_file():
         sources.append(json.loads(gen.read_text()).get("eos_token_id"))
@@ -111,11 +120,13 @@ class ModelRunner:
             self.model = model_cls(hf_config, dtype, **model_kwargs)
         self.model.load_weights(iter_weights(config.model_path))
         self.model.eval()
-        max_ctx = int(getattr(hf_config, "max_position_embeddings", 32768))
+        plan_fusions(self.model, kv_dtype=dtype)  # the KV pool holds the model's dtype
+        text_config = getattr(hf_config, "text_config", hf_config)
+        max_ctx = int(getattr(text_config, "max_position_embeddings", 32768))
         context_length = config.context_length or max_ctx
         if context_length > max_ctx:
             raise ValueError(f"model.context_length: {context_length} exceeds the model's limit of {max_ctx}")
-        attn = self.model.model.layers[0].self_attn
+        shape = self.model.attention_shape
         # Parameters are the stored weights (int8 / packed int4 + scales for quantized layers);
         # kernels keep derived copies (e.g. the CPU W4A16 dequantized weight) as buffers.
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -123,28 +134,40 @@ class ModelRunner:
             hf_config=hf_config,
             dtype=dtype,
             device=self.device,
-            vocab_size=int(hf_config.vocab_size),
+            vocab_size=self.model.vocab_size,
             context_length=context_length,
             eos_token_ids=read_eos_token_ids(config.model_path, hf_config),
-            num_layers=int(hf_config.num_hidden_layers),
-            num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
+            num_layers=shape.num_layers,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
             weight_bytes=weight_bytes,
             quantization=quant_config.method if quant_config is not None else None,
+            image_token_id=getattr(self.model, "image_token_id", None),
+            spatial_merge_size=int(getattr(getattr(hf_config, "vision_config", None), "spatial_merge_size", 2)),
         )
+        self.vision: VisionRunner | None = None
+        if hasattr(self.model, "encode_images"):
+            from mllmd.multimodal.image_processing import VisionPreprocessConfig
+
+            self.vision = VisionRunner(self.model, VisionPreprocessConfig.from_model_dir(config.model_path),
+                                       EncoderCache(config.encoder_cache_mb << 20), self.device)
         self.max_total_tokens = self._kv_pool_size()
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, context_length, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         # last sampled token of each request slot, written on the device by the sampler (overlap)
         self.token_buf = torch.zeros(config.max_running_requests, dtype=torch.int64, device=self.device)
+        self.sampling = SamplingStates(config.max_running_requests, self.info.vocab_size, self.device)
+        self.sampler = Sampler()
         self.kv_pool = KVPool(
             self.max_total_tokens, self.info.num_layers, self.info.num_kv_heads, self.info.head_dim, dtype, self.device
         )
-        self.attn_backend = self._attention_backend()
+        self.attn_backend = self._attention_backend(self.kv_pool, self.req_to_token_pool.req_to_token)
         self.graph_runner: CudaGraphRunner | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             if self.attn_backend.supports_cuda_graph:
-                self.graph_runner = CudaGraphRunner(self, capture_batch_sizes(self._graph_max_bs()))
+                self.graph_runner = CudaGraphRunner(
+                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs())
+                )
             else:
                 logger.info("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         if self.device.type == "cuda":
@@ -200,7 +223,9 @@ class ModelRunner:
         )
         activations = self.profile_step_bytes()
         vocab = self.info.vocab_size
-        sampler = self.config.max_running_requests * vocab * 32  # fp32 logits, a sort (values + int64 ids), noise
+        # fp32 logits, a sort (values + int64 ids), noise; the slots' penalty state (SamplingStates)
+        rows = self.config.max_running_requests
+        sampler = rows * vocab * 32 + SamplingStates.state_bytes(rows, vocab)
         graphs = 0
         if not self.config.disable_cuda_graph:
             graphs = sum(capture_batch_sizes(self._graph_max_bs())) * vocab * 6 + (64 << 20)
@@ -213,20 +238,21 @@ class ModelRunner:
         logger.info("%s", self._kv_budget_detail)
         return budget
 
-    def _attention_backend(self) -> AttentionBackend:
-        attn = self.model.model.layers[0].self_attn
+    def _attention_backend(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> AttentionBackend:
+        shape = self.model.attention_shape
         return create_attention_backend(
-            self.config.attention_backend, self.device.type,
-            device=self.device, num_qo_heads=attn.num_heads, scale=attn.scale, dtype=self.info.dtype,
-            head_dim=attn.head_dim,
+            self.config.attention_backend, self.device.type, kv_pool, req_to_token,
+            device=self.device, num_qo_heads=shape.num_heads, scale=shape.head_dim**-0.5, dtype=self.info.dtype,
+            head_dim=shape.head_dim,
         )
 
     def _graph_max_bs(self) -> int:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
 
-    def _scratch_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> ForwardBatch:
-        """A batch over a private KV pool and request table (random tokens): for profiling and warm-up.
-        Row i extends prefix_lens[i] cached tokens by extend_lens[i] new ones; every row samples."""
+    def _scratch_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> tuple[ForwardBatch, AttentionBackend]:
+        """A batch over a private KV pool and request table (random tokens), with a backend over them:
+        for profiling and warm-up. Row i extends prefix_lens[i] cached tokens by extend_lens[i] new
+        ones; every row samples."""
         dev, info = self.device, self.info
         seq = [p + n for p, n in zip(prefix_lens, extend_lens)]
         total = sum(seq)
@@ -254,26 +280,22 @@ class ModelRunner:
             seq_lens_cpu=seq,
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=list(extend_lens),
-            req_to_token_pool=table,
-            kv_pool=pool,
-            attn_backend=self._attention_backend(),
         )
-        batch.attn_backend.init_forward_metadata(batch)
-        return batch
+        return batch, self._attention_backend(pool, table.req_to_token)
 
     @torch.inference_mode()
     def profile_step_bytes(self) -> int:
         """Peak bytes a forward of the largest step allocates beyond the weights (CUDA only)."""
         dev = self.device
         n = max(1, min(self.config.max_prefill_tokens, self.info.context_length))
-        batch = self._scratch_batch([0], [n])
+        batch, backend = self._scratch_batch([0], [n])
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        self.forward_eager(batch)
+        forward_logits(self.model, batch, backend.plan(batch))
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
-        del batch
+        del batch, backend
         torch.cuda.empty_cache()
         return int(peak)
 
@@ -291,7 +313,8 @@ class ModelRunner:
         if cap >= 40:
             shapes.append(([7, 0, 30], [1, 5, 33]))  # decodes beside prefill chunks, one with a prefix
         for prefix, extend in shapes:
-            self.forward_eager(self._scratch_batch(prefix, extend))
+            batch, backend = self._scratch_batch(prefix, extend)
+            forward_logits(self.model, batch, backend.plan(batch))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -303,7 +326,8 @@ class ModelRunner:
         any other step takes one staged host-to-device copy, a scatter into the table and, for
         in-flight tokens, a gather from the token buffer."""
         input_ids: list[int] = []
-        positions: list[int] = []
+        columns: list[int] = []  # each token's index in its request (its request-table column)
+        positions: list[int] = []  # where the model rotates it: the index, but for M-RoPE prompts with images
         seq_lens: list[int] = []
         logits_rows: list[int] = []
         fill_rows: list[int] = []  # overlap: input positions whose token is still on the device
@@ -311,15 +335,17 @@ class ModelRunner:
         for req, p, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens):
             start = len(input_ids)
             input_ids += req.token_ids[p : p + n]
-            positions += range(p, p + n)
+            columns += range(p, p + n)
+            positions += range(p + req.mrope_delta, p + n + req.mrope_delta) if req.mrope_delta else range(p, p + n)
             seq_lens.append(p + n)
             if p + n == len(req.token_ids):
                 logits_rows.append(len(input_ids) - 1)
+            assert req.req_pool_idx is not None, "a scheduled request holds a request slot"
             if input_ids[-1] == PLACEHOLDER:
                 fill_rows.append(len(input_ids) - 1)
                 fill_slots.append(req.req_pool_idx)
             assert PLACEHOLDER not in input_ids[start:-1], "only a request's last token can be in flight"
-        rows = [r.req_pool_idx for r in sched.reqs]
+        rows = [r.req_pool_idx for r in sched.reqs if r.req_pool_idx is not None]
         gr = self.graph_runner
         if (
             gr is not None
@@ -328,21 +354,26 @@ class ModelRunner:
         ):
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
-            return gr.stage(ids, positions, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens))
-        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row:
-        # one copy; a token's request-table entry is (its request row, its position)
+            rope = positions if self.vision is not None else None
+            return gr.stage(ids, columns, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens), rope)
+        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,
+        # table columns: one copy; a token's request-table entry is (its request row, its index)
         token_rows = [r for r, n in zip(rows, sched.extend_lens) for _ in range(n)]
-        parts = to_device_parts(
-            [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows],
-            torch.int64,
-            self.device,
-        )
-        self.req_to_token_pool.req_to_token[parts[8], parts[1]] = sched.out_cache_loc
+        images = None
+        staged = [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows]
+        if self.vision is not None:  # positions may differ from the columns (M-RoPE)
+            axes = mrope_step_positions(sched.reqs, sched.prefix_lens, sched.extend_lens)
+            if axes is not None:
+                staged[1] = axes  # [3, T], flat
+            staged.append(columns)
+            images = self.vision.step_embeds(sched.reqs, sched.prefix_lens, sched.extend_lens)
+        parts = to_device_parts(staged, torch.int64, self.device)
+        self.req_to_token_pool.req_to_token[parts[8], parts[-1] if self.vision is not None else parts[1]] = sched.out_cache_loc
         if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer
             parts[0][parts[6]] = self.token_buf[parts[7]]
         batch = ForwardBatch(
             input_ids=parts[0],
-            positions=parts[1],
+            positions=parts[1] if len(staged[1]) == len(input_ids) else parts[1].view(3, -1),
             out_cache_loc=sched.out_cache_loc,
             req_pool_indices=parts[2],
             seq_lens=parts[3],
@@ -351,12 +382,33 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             prefix_lens_cpu=list(sched.prefix_lens),
             extend_lens_cpu=list(sched.extend_lens),
-            req_to_token_pool=self.req_to_token_pool,
-            kv_pool=self.kv_pool,
-            attn_backend=self.attn_backend,
+            images=images,
         )
-        self.attn_backend.init_forward_metadata(batch)  # this batch runs eagerly
         return batch
+
+    @torch.inference_mode()
+    def sample(self, reqs: list[Req], logits: torch.Tensor, rows: torch.Tensor | None, keep_on_device: bool) -> SamplerOutput:
+        """The next token of each of `reqs` (row i of logits [B, V] is reqs[i]'s). Each request's
+        sampling row is written into its slot's state when it first samples there; the batch then
+        reads those rows (`rows`: the slots on the device, if they are already). With `keep_on_device`
+        (overlap) each token also lands in the slot's entry of the token buffer, where the next step
+        reads tokens still on their way to the host."""
+        states = self.sampling
+        slots: list[int] = []
+        for r in reqs:
+            slot = r.req_pool_idx
+            assert slot is not None, "a sampling request holds a request slot"
+            if states.owner[slot] is not r:
+                states.write(slot, r.params, r.seed, r.prompt_ids, r.output_ids, owner=r)
+            slots.append(slot)
+        info = states.batch(slots, [r.num_output for r in reqs], rows)
+        penalised = states.penalised_np[slots]
+        if rows is None and (keep_on_device or penalised.any()):
+            rows = to_device(slots, torch.int64, self.device)
+        out = self.sampler(logits, info, token_sink=(self.token_buf, rows) if keep_on_device else None)
+        if rows is not None:
+            states.record(rows, out.next_token_ids, penalised)
+        return out
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -369,10 +421,5 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
-        """forward() without graphs (also what the graphs capture)."""
-        hidden = self.model(batch.input_ids, batch.positions, batch)
-        if batch.logits_indices.numel() == 0:
-            return hidden.new_empty((0, self.info.vocab_size), dtype=torch.float32)
-        if batch.is_decode and batch.logits_indices.numel() == batch.num_tokens:
-            return self.model.compute_logits(hidden)  # every row samples: no gather
-        return self.model.compute_logits(hidden[batch.logits_indices])
+        """forward() without graphs: the step's attention planned, then the model."""
+        return forward_logits(self.model, batch, self.attn_backend.plan(batch))

@@ -20,6 +20,29 @@ class ReqStatus(Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False)
+class EngineImage:
+    """One image of a prompt: its pad tokens are prompt[start : start + num_tokens]. `pixels` (uint8
+    [H, W, 3], host or device) are kept until the request finishes, so that its encoder output can be
+    computed again if the encoder cache lost it (a preempted or chunked request)."""
+
+    start: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    content_hash: bytes
+    pixels: Any
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def key_id(self) -> int:
+        """What the prefix cache sees at this image's token positions: an id from its content (negative,
+        below PLACEHOLDER, so never a vocabulary id), so that only the same image matches."""
+        return -2 - int.from_bytes(self.content_hash[:7], "big")
+
+
 class AdmissionError(ValueError):
     """The request can never be served (too long, bad parameters); maps to HTTP 400, naming the
     request field at fault (`param`) where there is one."""
@@ -51,10 +74,29 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_preemptions: int = 0
     first_token_time: float | None = None
+    images: list[EngineImage] = field(default_factory=list)
+    # M-RoPE (Qwen3-VL): the prompt's 3-axis positions [3, P] when it has images; token n >= P sits
+    # at n + mrope_delta on every axis
+    mrope_positions: Any = None
+    mrope_delta: int = 0
+    _key_prompt: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.images:
+            key = list(self.prompt_ids)
+            for image in self.images:
+                key[image.start : image.end] = [image.key_id] * image.num_tokens
+            self._key_prompt = key
+
+    def cache_key(self, n: int) -> list[int]:
+        """The prefix cache's key of token_ids[:n]: the tokens, with each image's pad tokens standing
+        for that image's content."""
+        if self._key_prompt is None:
+            return self.token_ids[:n]
+        p = len(self._key_prompt)
+        return self._key_prompt[:n] if n <= p else self._key_prompt + self.token_ids[p:n]
 
     @property
     def output_ids(self) -> list[int]:

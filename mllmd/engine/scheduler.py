@@ -103,7 +103,7 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         value = self._kv_slots(req)
-        n = self.cache.insert(req.token_ids[: req.kv_len], value)
+        n = self.cache.insert(req.cache_key(req.kv_len), value)
         self.allocator.free(value[req.prefix_len : n])
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
@@ -123,7 +123,7 @@ class Scheduler:
         idx = self.req_to_token_pool.alloc()
         if idx is None:
             return False
-        match = self.cache.match_prefix(req.token_ids[:-1])
+        match = self.cache.match_prefix(req.cache_key(len(req.token_ids) - 1))
         n = int(match.indices.numel())
         self.cache.inc_lock_ref(match.last_node)
         self.req_to_token_pool.req_to_token[idx, :n] = match.indices

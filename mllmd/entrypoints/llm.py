@@ -10,7 +10,11 @@ from typing import Any
 from mllmd.config import EngineConfig
 from mllmd.detokenizer import DetokenizerState
 from mllmd.engine.engine import Engine
+from mllmd.engine.request import EngineImage
 from mllmd.messages import TokenOutput
+from mllmd.multimodal.chat import build_vision_prompt, image_parts
+from mllmd.multimodal.image_io import ImageLimits
+from mllmd.multimodal.prompt import VisionTokenIds
 from mllmd.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -40,13 +44,17 @@ class LLM:
         self.engine = Engine(self.config)
         self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
         self._ids = itertools.count()
+        # images for chat(): local paths anywhere (the caller is this program), no remote URLs
+        self.image_limits = ImageLimits(media_dirs=("/",))
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        images: Sequence[list[EngineImage] | None] | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for each prompt (text or token ids); results in input order."""
+        """Generate for each prompt (text or token ids); results in input order. `images[i]`: prompt i's
+        images over its runs of image tokens (see `chat`, which builds them)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompt_list = list(prompts)  # type: ignore[arg-type]
@@ -58,10 +66,11 @@ class LLM:
         results: dict[str, GenerationOutput] = {}
         order: list[str] = []
         self._stops: dict[str, DetokenizerState] = {}
-        for prompt, p in zip(prompt_list, params):
+        per_prompt = list(images) if images is not None else [None] * len(prompt_list)
+        for prompt, p, imgs in zip(prompt_list, params, per_prompt, strict=True):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, p)
+            self.engine.add_request(rid, ids, p, imgs)
             results[rid] = GenerationOutput(rid, ids, logprobs=[] if p.logprobs else None,
                                             top_logprobs=[] if p.logprobs else None)
             order.append(rid)
@@ -110,13 +119,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[GenerationOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                conv, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
-            )
-            for conv in convs
-        ]
-        ids = [self.tokenizer.encode(p) for p in prompts]
-        return self.generate(ids, sampling_params)
+        """Apply the model's chat template to one conversation or a list of them, then generate. Image
+        parts (`{"type": "image_url", "image_url": {"url": ...}}` with a data URL, a local path or a
+        file:// URL, or `{"type": "image", "image": <PIL image>}`) go to a vision-language model."""
+        convs: list[list[dict[str, Any]]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        kwargs = chat_template_kwargs or {}
+        ids: list[list[int]] = []
+        images: list[list[EngineImage] | None] = []
+        vision = self.engine.runner.vision
+        for conv in convs:
+            if not image_parts(conv):
+                text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs)
+                ids.append(self.tokenizer.encode(text))
+                images.append(None)
+                continue
+            if vision is None:
+                raise ValueError("the loaded model does not take images")
+            prompt = build_vision_prompt(self.tokenizer, conv, kwargs, vision.preprocess,
+                                         VisionTokenIds.from_config(self.engine.info.hf_config), self.image_limits)
+            ids.append(prompt.input_ids)
+            images.append([EngineImage(s, e - s, im.grid_thw, im.content_hash, im.pixels)
+                           for im, (s, e) in zip(prompt.images, prompt.image_spans)])
+        return self.generate(ids, sampling_params, images)

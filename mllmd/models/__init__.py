@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
 
 
 def get_model_class(architectures: list[str] | None) -> Any:
@@ -14,6 +14,10 @@ def get_model_class(architectures: list[str] | None) -> Any:
             from mllmd.models.qwen3 import Qwen3ForCausalLM
 
             return Qwen3ForCausalLM
+        if arch == "Qwen3VLForConditionalGeneration":
+            from mllmd.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+            return Qwen3VLForConditionalGeneration
     raise ValueError(
         f"unsupported model architecture {architectures!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
     )

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mllmd.models.layers.rotary import RopeTable
+
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 
@@ -140,10 +142,13 @@ class MRotaryEmbedding(nn.Module):
             raise ValueError(f"rotary_dim {rotary_dim} must be even and in (0, head_dim={head_dim}]")
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        self.scaling = scaling
+        # The angles are computed per step from inv_freq (one product per entry, as transformers computes
+        # them): a table of every position would cost 2 x 4 x max_position x rotary_dim / 2 bytes (134 MB
+        # for Qwen3-VL's 262,144 positions).
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)  # [P, rotary/2]
-        self.register_buffer("cos_cache", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * scaling, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [rotary/2]
         self.register_buffer(
             "axis_map", mrope_axis_map(rotary_dim, mrope_section, interleaved=interleaved), persistent=False
         )
@@ -177,14 +182,21 @@ class MRotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rotary_dim] fp32 for positions [3, T] (or [T]): once per step, shared by the layers."""
-        if positions.dim() == 1:
-            cos = self.cos_cache[positions]  # [T, rotary/2]
-            sin = self.sin_cache[positions]
-        else:
+        freqs = positions[..., None].float() * self.inv_freq  # [T, rotary/2] or [3, T, rotary/2]
+        if positions.dim() == 2:
             index = self.axis_map.expand(1, positions.shape[1], -1)  # [1, T, rotary/2]
-            cos = self.cos_cache[positions].gather(0, index).squeeze(0)  # [3, T, rotary/2] -> [T, rotary/2]
-            sin = self.sin_cache[positions].gather(0, index).squeeze(0)
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+            freqs = freqs.gather(0, index).squeeze(0)  # each frequency from its axis: [T, rotary/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos, sin
+
+    def table(self, positions: torch.Tensor) -> RopeTable:
+        """The step's rotation (mllmd.models.layers.rotary) for positions [3, T] or [T]: one row per token,
+        built from the half-width cache (no full table of every position is kept)."""
+        cos, sin = self.cos_sin(positions)
+        return RopeTable(cos, sin, torch.arange(cos.shape[0], dtype=torch.int64, device=cos.device))
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

@@ -1,7 +1,7 @@
 """Test-only: a sampler that emits scripted tokens instead of sampling, to test output parsing.
 
 When a daemon test sets ``MLLMD_TESTING_SCRIPT=/path/to/file.json``, tests/daemon/scripted_site's
-sitecustomize replaces the scheduler worker's ``engine.sampler`` with a ``ScriptedSampler`` built
+sitecustomize replaces the scheduler worker's ``engine.runner.sampler`` with a ``ScriptedSampler`` built
 from that file (production code never looks this module up): a JSON list whose
 entries are token-id lists, or strings tokenized with the model's tokenizer (special tokens such as
 ``<think>`` and ``<tool_call>`` are recognised). Request k (in order of first sampling) emits script
@@ -85,7 +85,7 @@ class ScriptedSampler:
 
 
 def install_from_env(engine: Any, tokenizer_path: str) -> None:
-    """Replace `engine.sampler` when MLLMD_TESTING_SCRIPT is set (tests/daemon/scripted_site calls this)."""
+    """Replace `engine.runner.sampler` when MLLMD_TESTING_SCRIPT is set (tests/daemon/scripted_site calls this)."""
     path = os.environ.get(ENV_VAR)
     if not path:
         return
@@ -93,4 +93,4 @@ def install_from_env(engine: Any, tokenizer_path: str) -> None:
 
     scripts = load_scripts(path, AutoTokenizer.from_pretrained(tokenizer_path))
     eos = engine.info.eos_token_ids[0] if engine.info.eos_token_ids else 0
-    engine.sampler = ScriptedSampler(scripts, eos)
+    engine.runner.sampler = ScriptedSampler(scripts, eos)

@@ -103,9 +103,7 @@ def _prefill_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
         input_ids=torch.tensor(ids, device="cuda"), positions=slots - 1, out_cache_loc=slots,
         req_pool_indices=one - 1, seq_lens=one * n, extend_lens=one * n,
         logits_indices=torch.arange(n, device="cuda"), seq_lens_cpu=[n], prefix_lens_cpu=[0], extend_lens_cpu=[n],
-        req_to_token_pool=runner.req_to_token_pool, kv_pool=runner.kv_pool, attn_backend=runner.attn_backend,
     )
-    runner.attn_backend.init_forward_metadata(batch)
     return runner.forward_eager(batch)
 
 

@@ -506,7 +506,7 @@ def test_logprobs_only_chosen_when_no_top():
 def test_batch_info_builds_only_what_is_used():
     info = build([SP(temperature=0.0), SP(temperature=1.0)], vocab=8)
     assert info.num_greedy == 1 and info.num_sampled == 1 and info.num_filtered == 0
-    assert info.rep_rows is None and info.fp_rows is None and info.bias_rows is None
+    assert info.penalty_idx is None and info.output_counts is None and info.bias_rows is None
     assert not info.needs_processing
     assert info.top_k is None and info.top_p is None and info.min_p is None
     assert info.keys is not None and info.keys.shape == (1, 2)
@@ -516,15 +516,36 @@ def test_batch_info_builds_only_what_is_used():
     outputs = [[1], [5, 7, -1], [7, 7, 2]]
     info = build(params, prompts=prompts, outputs=outputs, vocab=8)
     assert info.top_p is not None and info.top_p.tolist() == [0.5] and info.top_k is None
-    # sparse, distinct (row, token) pairs; ids outside the vocabulary are ignored
-    assert info.rep_rows is not None and info.rep_cols is not None and info.rep_penalty is not None
-    assert list(zip(info.rep_rows.tolist(), info.rep_cols.tolist(), strict=True)) == [(1, 3), (1, 5), (1, 7)]
-    assert info.fp_rows is not None and info.fp_cols is not None and info.fp_counts is not None
-    assert list(zip(info.fp_rows.tolist(), info.fp_cols.tolist(), info.fp_counts.tolist(), strict=True)) == [
-        (2, 2, 1.0),
-        (2, 7, 2.0),
-    ]
+    # the penalised rows' state: output counts (ids outside the vocabulary ignored) and prompt tokens
+    assert info.penalty_idx is not None and info.penalty_idx.tolist() == [1, 2]
+    assert info.output_counts is not None and info.penalty_slots is not None and info.prompt_mask is not None
+    assert info.output_counts[info.penalty_slots].tolist() == [[0, 0, 0, 0, 0, 1, 0, 1], [0, 0, 1, 0, 0, 0, 0, 2]]
+    assert info.prompt_mask[info.penalty_slots].int().tolist() == [[0, 0, 0, 1, 0, 1, 0, 0], [0, 0, 0, 0, 1, 0, 0, 0]]
+    assert info.repetition is not None and info.repetition.flatten().tolist() == pytest.approx([1.1, 1.0])
+    assert info.frequency is not None and info.presence is not None and info.presence.flatten().tolist() == [0.0, 1.0]
     assert info.positions == [1, 3, 3] and info.num_top_logprobs == 3 and info.want_logprobs
+
+
+def test_states_rows_are_written_once_and_record_sampled_tokens():
+    """A slot's row is what a step reads; record() counts sampled tokens for penalised rows only, so a
+    later step sees them without rebuilding anything; rewriting a slot starts its counts afresh."""
+    from mllmd.engine.sampling import SamplingStates
+
+    states = SamplingStates(4, 8, torch.device("cpu"))
+    states.write(2, SP(frequency_penalty=1.0, seed=5), 5, [1], [3])
+    states.write(0, SP(temperature=0.0), 9, [2], [])
+    info = states.batch([2, 0], [1, 0])
+    assert info.penalty_idx is not None and info.penalty_idx.tolist() == [0]
+    assert info.seeds == [5, 9] and info.num_greedy == 1 and info.greedy_idx is not None
+    assert info.greedy_idx.tolist() == [1]
+    states.record(torch.tensor([2, 0]), torch.tensor([3, 4]), states.penalised_np[[2, 0]])
+    assert states.output_counts is not None
+    assert states.output_counts[2].tolist() == [0, 0, 0, 2, 0, 0, 0, 0]
+    assert states.output_counts[0].tolist() == [0] * 8  # not penalised: not counted
+    x = process_logits(torch.zeros(2, 8), states.batch([2, 0], [2, 0]))
+    assert x[0].tolist() == [0, 0, 0, -2.0, 0, 0, 0, 0] and x[1].tolist() == [0.0] * 8
+    states.write(2, SP(frequency_penalty=1.0), 1, [], [6])
+    assert states.output_counts[2].tolist() == [0, 0, 0, 0, 0, 0, 1, 0]
 
 
 # ---------------------------------------------------------------- CUDA parity

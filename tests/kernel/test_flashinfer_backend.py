@@ -44,23 +44,28 @@ def _batch(prefix: list[int], extend: list[int], hq: int, hkv: int, d: int, dtyp
     k = torch.randn(t, hkv, d, generator=g).to(dev, dtype)
     v = torch.randn(t, hkv, d, generator=g).to(dev, dtype)
     i64 = {"dtype": torch.int64, "device": dev}
-    backend = FlashInferAttentionBackend(dev, hq, d**-0.5, dtype)
+    backend = FlashInferAttentionBackend(pool, table.req_to_token, dev, hq, d**-0.5, dtype)
     batch = ForwardBatch(
         input_ids=torch.zeros(t, **i64), positions=torch.zeros(t, **i64), out_cache_loc=torch.cat(new_locs),
         req_pool_indices=torch.tensor(rows, **i64), seq_lens=torch.tensor(seq, **i64),
         extend_lens=torch.tensor(extend, **i64), logits_indices=torch.zeros(0, **i64), seq_lens_cpu=seq,
-        prefix_lens_cpu=prefix, extend_lens_cpu=extend, req_to_token_pool=table, kv_pool=pool, attn_backend=backend,
+        prefix_lens_cpu=prefix, extend_lens_cpu=extend,
     )
     return backend, batch, q, k, v
+
+
+def _attend(backend, batch, q, k, v):  # type: ignore[no-untyped-def]
+    step = backend.plan(batch)
+    step.store(0, k, v)
+    return step.attend(0, q, 128**-0.5)[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_flashinfer_decode_matches_reference(dtype: torch.dtype) -> None:
     prefix = [0, 5, 127, 1000, 33, 4095]
     backend, batch, q, k, v = _batch(prefix, [1] * len(prefix), 32, 8, 128, dtype, 1)
-    backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, 128**-0.5, batch)
-    pool, table = batch.kv_pool, batch.req_to_token_pool.req_to_token
+    out = _attend(backend, batch, q, k, v)
+    pool, table = backend.kv_pool, backend.req_to_token
     ref = decode_attention_ref(q, pool.k_buffer[0], pool.v_buffer[0], table, batch.req_pool_indices, batch.seq_lens, 128**-0.5)
     torch.testing.assert_close(out.float(), ref.float(), **close_tol(dtype))
 
@@ -69,9 +74,8 @@ def test_flashinfer_decode_matches_reference(dtype: torch.dtype) -> None:
 def test_flashinfer_extend_with_prefix_matches_reference(dtype: torch.dtype) -> None:
     prefix, extend = [0, 20, 300, 0], [17, 1, 64, 200]
     backend, batch, q, k, v = _batch(prefix, extend, 16, 8, 128, dtype, 2)
-    backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, 128**-0.5, batch)
-    pool, table = batch.kv_pool, batch.req_to_token_pool.req_to_token
+    out = _attend(backend, batch, q, k, v)
+    pool, table = backend.kv_pool, backend.req_to_token
     ref = extend_attention_ref(
         q, pool.k_buffer[0], pool.v_buffer[0], table, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
         128**-0.5,

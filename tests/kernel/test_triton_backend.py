@@ -72,11 +72,12 @@ def test_rope_kernel_writes_the_kv_pool_for_the_backend(qwen3_tied: Path, backen
     """The fused RoPE kernel writes each step's K/V into the pool itself (no store_cache launch); the
     backend then only attends. Greedy tokens and top log-probabilities over prefill chunks, radix hits
     and decode steps equal, bit for bit, the route where the backend stores K/V."""
-    import mllmd.models.qwen3 as qwen3_mod
+    import mllmd.models.layers.attention as attention_mod
+    import mllmd.models.layers.fusion as fusion_mod
     from mllmd.engine.memory import KVPool
 
     device = "cuda" if GPU else "cpu"
-    monkeypatch.setattr(qwen3_mod, "fused_kernels", lambda x: True)  # the interpreter's RoPE on the CPU
+    monkeypatch.setattr(attention_mod, "fused_kernels", lambda x: True)  # the interpreter's RoPE on the CPU
     stores = []
     real_store = KVPool.store
     monkeypatch.setattr(KVPool, "store", lambda self, *a: stores.append(a[0]) or real_store(self, *a))
@@ -84,7 +85,7 @@ def test_rope_kernel_writes_the_kv_pool_for_the_backend(qwen3_tied: Path, backen
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
     results = {}
     for fused in (True, False):
-        monkeypatch.setattr(qwen3_mod, "ROPE_STORES_KV", fused)
+        monkeypatch.setattr(fusion_mod, "ROPE_STORES_KV", fused)
         stores.clear()
         # a fixed KV pool: on a GPU the budget would otherwise be most of the device, twice over
         llm = LLM(str(qwen3_tied), device=device, dtype="float32", attention_backend=backend,

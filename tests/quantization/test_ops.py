@@ -141,12 +141,13 @@ def test_a_registered_kernel_is_preferred_where_it_can_run() -> None:
 
 def test_norm_and_silu_fusion_routes_and_fallbacks() -> None:
     """A kernel that fuses (here a CPU stand-in for the W4A16 CUDA kernel) gets the RMSNorm and
-    silu(gate) * up of NormRows / forward_silu_mul and hands back the residual sum; where it declines
-    (returns None: several rows here), the layer runs the norm and activation apart. Either way the
-    results and the residual equal the unfused modules'."""
+    silu(gate) * up from a norm planned into it (NormRows) and writes the residual sum; where it
+    cannot (`fusable` is False: several rows here), the norm runs on its own and the activation
+    apart. Either way the results and the residual equal the unfused modules'."""
     from mllmd_kernels.rmsnorm import NormInput
 
-    from mllmd.models.layers import NormRows, RMSNorm, SiluAndMul
+    from mllmd.models.layers import GatedMLP, RMSNorm, SiluAndMul, plan_fusions
+    from mllmd.models.layers.fused_inputs import NormRows
 
     calls: list[tuple[bool, bool]] = []
 
@@ -157,46 +158,70 @@ def test_norm_and_silu_fusion_routes_and_fallbacks() -> None:
         def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
             return None if scheme.method == "w4a16" else "fake: w4a16 only"
 
+        def fusable(self, layer: Linear, x: torch.Tensor, norm: NormInput | None, silu: bool) -> bool:
+            return x.shape[0] == 1
+
         def apply_fused(
             self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
         ) -> torch.Tensor | None:
-            if x.shape[0] != 1:
+            if not self.fusable(layer, x, norm, silu):
                 return None
             calls.append((norm is not None, silu))
             if norm is not None:
                 s = x if norm.residual is None else x + norm.residual
-                norm.residual_out = s
+                if norm.residual_out is not None:
+                    norm.residual_out.copy_(s)
                 xf = s.float()
                 x = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).to(s.dtype)
             y = self.apply(layer, x, bias)
             return SiluAndMul()(y) if silu else y
 
+    class Block(torch.nn.Module):
+        FUSABLE = {"norm": "mlp.gate_up_proj"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = RMSNorm(64)
+            self.mlp = GatedMLP(64, 32, torch.float32, quant=None)
+
+    def w4a16(layer: Linear, shards: list[str | None], g: torch.Generator) -> Linear:
+        n, k = layer.out_features // len(shards), layer.in_features
+        for shard in shards:
+            layer.load_weight("weight_packed", torch.randint(-(2**31), 2**31 - 1, (n, k // 8), generator=g,
+                                                             dtype=torch.int32), shard)
+            layer.load_weight("weight_scale", torch.rand(n, k // 32, generator=g) + 0.5, shard)
+        layer.process_weights_after_loading()
+        return layer
+
     scheme = LinearScheme("w4a16", 4, "group", 32, True)
     register_kernel(FakeFusingW4A16)
     try:
-        layer = MergedLinear(64, {"gate": 16, "up": 16}, quant=scheme)
+        block = Block()
         g = torch.Generator().manual_seed(8)
-        for shard in ("gate", "up"):
-            layer.load_shard("weight_packed", shard, torch.randint(-(2**31), 2**31 - 1, (16, 8), generator=g, dtype=torch.int32))
-            layer.load_shard("weight_scale", shard, torch.rand(16, 2, generator=g) + 0.5)
-        layer.process_weights_after_loading()
-        assert layer.fuses_norm and layer.fuses_silu_mul
-        norm = RMSNorm(64)
-        norm.weight.data.copy_(torch.rand(64, generator=g) + 0.5)
+        block.mlp.gate_up_proj = w4a16(MergedLinear(64, {"gate": 32, "up": 32}, quant=scheme), ["gate", "up"], g)
+        block.mlp.down_proj = w4a16(Linear(32, 64, quant=scheme), [None], g)
+        block.norm.weight.data.copy_(torch.rand(64, generator=g) + 0.5)
+        plan_fusions(block, w4a16_fusions=True)
+        assert block.norm.fused_into == (block.mlp.gate_up_proj, True) and block.mlp.silu_in_gate_up
+        plain_norm = RMSNorm(64)
+        plain_norm.weight.data.copy_(block.norm.weight)
+        gate_up, down = block.mlp.gate_up_proj, block.mlp.down_proj
         for rows, fused in ((1, True), (3, False)):
             x, r = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
-            normed, res = norm(x, r)
+            normed, res = plain_norm(x, r)
             calls.clear()
-            pending = NormRows(x, r, norm)
-            out = layer.forward_silu_mul(pending)
+            pending, residual = block.norm(x, r)
+            assert isinstance(pending, NormRows) == fused
+            out = block.mlp(pending)
             assert calls == ([(True, True)] if fused else [])
-            torch.testing.assert_close(out, SiluAndMul()(layer(normed)))
-            assert torch.equal(pending.residual_out, res)
-            pending = NormRows(x, r, norm)
-            torch.testing.assert_close(layer(pending), layer(normed))
-            assert torch.equal(pending.residual_out, res)
-        first = NormRows(x[:1], None, norm)  # the first layer: no residual yet; x is the next one
-        torch.testing.assert_close(layer(first), layer(norm(x[:1])))
-        assert torch.equal(first.residual_out, x[:1])
+            torch.testing.assert_close(out, down(SiluAndMul()(gate_up(normed))))
+            assert torch.equal(residual, res)
+        first = block.norm(x[:1])  # the first layer: no residual yet; x is the next one
+        assert isinstance(first, NormRows) and first.residual_out is first.x
+        calls.clear()
+        torch.testing.assert_close(block.mlp(first), down(SiluAndMul()(gate_up(plain_norm(x[:1])))))
+        assert calls == [(True, True)]
+        plan_fusions(block, w4a16_fusions=False)  # MLLMD_W4A16_FUSIONS=0: everything apart
+        assert block.norm.fused_into is None and not block.mlp.silu_in_gate_up
     finally:
         kernels_mod.unregister_kernel(FakeFusingW4A16)

@@ -20,7 +20,8 @@ from mllmd_kernels import (
 from mllmd_kernels import w4a16_mma as mma
 from mllmd_kernels.testing import REL_TOL, close_tol, kernel_device, on_gpu, rel_err, skip_reason
 
-from mllmd.models.layers import Int8Rows, Linear, MergedLinear, SiluAndMul
+from mllmd.models.layers import Linear, MergedLinear, SiluAndMul
+from mllmd.models.layers.fused_inputs import Int8Rows
 from mllmd.models.quantization import (
     CudaW4A16Kernel,
     LinearScheme,
@@ -289,18 +290,17 @@ def test_triton_kernel_apply_is_cuda_graph_capturable(variant: str) -> None:
 
 
 def _w8a8_mlp(dtype: torch.dtype) -> tuple[Any, int, int]:
-    """A Qwen3MLP of random W8A8 layers on the Triton kernel: (mlp, hidden, intermediate size)."""
-    from mllmd.models.qwen3 import Qwen3MLP
+    """A GatedMLP of random W8A8 layers on the Triton kernel, its fusions planned: (mlp, hidden, intermediate)."""
+    from mllmd.models.layers import GatedMLP, plan_fusions
 
     pytest.importorskip("compressed_tensors")
     hidden, inter = 96, 160
-    mlp = torch.nn.Module.__new__(Qwen3MLP)
-    torch.nn.Module.__init__(mlp)
+    mlp = GatedMLP(hidden, inter, dtype)
     mlp.gate_up_proj = _prepare(_random_layer(W8A8_CHANNEL, hidden, {"gate": inter, "up": inter}, False, dtype, 1),
                                 TritonW8A8Kernel)
     mlp.down_proj = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TritonW8A8Kernel)
-    mlp.act = SiluAndMul()
-    assert mlp.down_proj.takes_int8_input
+    plan_fusions(mlp)
+    assert mlp.int8_activation
     return mlp, hidden, inter
 
 
@@ -342,12 +342,12 @@ def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeyp
     (the one-row gemv quantizes it): the same output, bit for bit, as activating then quantizing in
     the layer either way; the reference kernel keeps the plain path."""
     import mllmd.models.layers.activation as act_mod
-    import mllmd.models.qwen3 as qwen3_mod
+    import mllmd.models.layers.mlp as mlp_mod
 
     monkeypatch.setattr(act_mod, "fused_kernels", lambda x: True)  # Triton's SiLU on the CPU too
     calls = []
-    real = qwen3_mod.silu_and_mul_int8
-    monkeypatch.setattr(qwen3_mod, "silu_and_mul_int8", lambda h: calls.append(h.shape[0]) or real(h))
+    real = mlp_mod.silu_and_mul_int8
+    monkeypatch.setattr(mlp_mod, "silu_and_mul_int8", lambda h: calls.append(h.shape[0]) or real(h))
 
     mlp, hidden, inter = _w8a8_mlp(dtype)
     g = torch.Generator().manual_seed(4)
@@ -360,7 +360,7 @@ def test_w8a8_mlp_quantizes_in_the_activation_kernel(dtype: torch.dtype, monkeyp
         assert torch.equal(fused, plain), f"T={t}: {int((fused != plain).sum())} values differ"
     assert calls == [5, 70], calls
     ref = _prepare(_random_layer(W8A8_CHANNEL, inter, {"down": hidden}, False, dtype, 2), TorchW8A8Kernel)
-    assert not ref.takes_int8_input
+    assert not ref.kernel.takes_int8_input
 
 
 @needs_kernels
@@ -371,9 +371,11 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     a step) gives that route's tokens and top log-probabilities, bit for bit."""
     pytest.importorskip("compressed_tensors")
     import mllmd.models.layers.activation as act_mod
+    import mllmd.models.layers.fusion as fusion_mod
+    import mllmd.models.layers.mlp as mlp_mod
     import mllmd.models.layers.norm as norm_mod
-    import mllmd.models.qwen3 as qwen3_mod
     from mllmd import LLM, SamplingParams
+    from mllmd.models.layers import plan_fusions
 
     from .test_numerics import engine_prefill_logits
 
@@ -398,6 +400,7 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
             kernel = TritonW8A8Kernel(layer.quant_method.scheme)
             kernel.process_weights(layer)
             layer.quant_method.kernel = kernel
+    plan_fusions(model)  # again, for the kernels put in
     calls = {"rmsnorm_int8": 0, "silu_and_mul_int8": 0, "apply_with_amax": 0}
 
     def spy(mod: Any, name: str) -> None:
@@ -410,7 +413,7 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
         monkeypatch.setattr(mod, name, counted)
 
     spy(norm_mod, "rmsnorm_int8")
-    spy(qwen3_mod, "silu_and_mul_int8")
+    spy(mlp_mod, "silu_and_mul_int8")
     spy(TritonW8A8Kernel, "apply_with_amax")
     # the plain route's norms and SiLU on the Triton kernels too (the CPU would take torch's): both
     # routes then quantize the same values
@@ -428,8 +431,8 @@ def test_w8a8_model_takes_int8_rows_from_its_norms_and_activation(quantized: Any
     fused_out = llm.generate([[5, 17, 300]], greedy)[0]
     steps = calls["apply_with_amax"] // (2 * n_layers)
     assert steps >= 5 and calls["apply_with_amax"] == 2 * n_layers * steps, calls
-    monkeypatch.setattr(Linear, "takes_int8_input", property(lambda self: False))
-    monkeypatch.setattr(Linear, "takes_amax", property(lambda self: False))
+    monkeypatch.setattr(fusion_mod, "_kernel_has", lambda linear, capability: False)
+    plan_fusions(model)  # the plain route: every layer quantizes its own input
     calls.update(rmsnorm_int8=0, silu_and_mul_int8=0, apply_with_amax=0)
     with torch.no_grad():
         plain = engine_prefill_logits(llm, prompts)
@@ -535,9 +538,9 @@ def test_w4a16_batch1_decode_fuses_the_norms_and_silu_into_the_cuda_kernel(tmp_p
     pytest.importorskip("compressed_tensors")
     from torch.profiler import ProfilerActivity, profile
 
-    import mllmd.models.qwen3 as qwen3
-    from mllmd import LLM, SamplingParams
-    from mllmd.models.layers import NormRows, RMSNorm
+    from mllmd import LLM, SamplingParams, knobs
+    from mllmd.models.layers import RMSNorm
+    from mllmd.models.layers.fused_inputs import NormRows
     from mllmd.testing.checkpoints import build_tiny_checkpoint
     from mllmd.testing.quantize import quantize_checkpoint
 
@@ -547,7 +550,7 @@ def test_w4a16_batch1_decode_fuses_the_norms_and_silu_into_the_cuda_kernel(tmp_p
     prompt = [[100 + 3 * i for i in range(7)]]
     tokens, counts = {}, {}
     for fused in (False, True):
-        monkeypatch.setattr(qwen3, "FUSE_NORM_AND_ACTIVATION", fused)
+        monkeypatch.setattr(knobs, "W4A16_FUSIONS", fused)
         llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", max_total_tokens=512)
         llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -562,7 +565,7 @@ def test_w4a16_batch1_decode_fuses_the_norms_and_silu_into_the_cuda_kernel(tmp_p
             h, r = (torch.randn(1, 256, generator=g).to(device="cuda", dtype=torch.bfloat16) for _ in range(2))
             norm: RMSNorm = layer.post_attention_layernorm
             with torch.no_grad():
-                pending = NormRows(h, r, norm)
+                pending = NormRows(h, r, norm, torch.empty_like(h))
                 got = layer.mlp.gate_up_proj.forward_silu_mul(pending)
                 normed, res = norm(h, r)
                 want = SiluAndMul()(layer.mlp.gate_up_proj(normed))

@@ -1,61 +1,70 @@
-"""The interface every attention backend implements."""
+"""The interface every attention backend implements, and the per-step object the model layers use.
+
+A backend owns nothing of the model: it is built over one KV pool and request-to-token table, and
+for each step `plan(batch)` returns a `PagedAttentionStep` (the model's `AttentionStep`): where the
+step's K/V go, and attention over the pool with the step's metadata, built once for all layers.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from mllmd.engine.forward_batch import ForwardBatch
+from mllmd.engine.forward_batch import ForwardBatch
+from mllmd.engine.memory import KVPool
 
 
 class AttentionBackend(ABC):
-    """Paged attention over the KV pool: writes the step's K/V, then attends causally.
+    """Paged attention over `kv_pool`, reading each request's slots from `req_to_token` [R, L].
 
     `supports_cuda_graph`: decode steps may be captured and replayed (the backend reads no host
-    values that change from step to step, and never synchronises with the device).
+    values that change from step to step, and never synchronises with the device); `prepare_replay`
+    runs before each replay for backends whose device-side metadata must be refreshed.
     """
 
     supports_cuda_graph: bool = True
 
-    @abstractmethod
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        """Prepare per-step metadata once (shared by all layers); stores it in batch.attn_metadata."""
+    def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token
+
+    def plan(self, batch: ForwardBatch) -> PagedAttentionStep:
+        """The step's attention, its metadata built once for every layer."""
+        return PagedAttentionStep(self, batch, self.metadata(batch))
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor | None,  # [T, Hkv, D] (None with kv_stored)
-        v: torch.Tensor | None,  # [T, Hkv, D] (None with kv_stored)
-        layer_id: int,
-        scale: float,
-        batch: ForwardBatch,
-        kv_stored: bool = False,
-    ) -> torch.Tensor:  # [T, Hq, D]
-        """Store k/v at batch.out_cache_loc in layer `layer_id` (unless the caller already did:
-        `kv_stored`), then return attention output."""
+    def metadata(self, batch: ForwardBatch) -> Any:
+        """Per-step metadata (shared by all layers)."""
 
-    def forward_with_amax(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
-        batch: ForwardBatch, kv_stored: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """forward(), and for a decode step of one row, float32 partials whose max is max|output|
-        where the backend's kernel writes them (else None): a W8A8 output projection that quantizes
-        the row in its own launch takes its scale from them instead of reading the row twice."""
-        return self.forward(q, k, v, layer_id, scale, batch, kv_stored), None
+    @abstractmethod
+    def attend(
+        self, step: PagedAttentionStep, layer: int, q: torch.Tensor, scale: float, out_absmax: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [T, Hq, D] over the pool's layer `layer` (this step's K/V already stored) -> (out [T, Hq, D],
+        and with `out_absmax` float32 partials whose max is max|out| where the backend's kernel writes
+        them, else None)."""
 
-    @staticmethod
-    def store_kv(layer_id: int, batch: ForwardBatch, k: torch.Tensor | None, v: torch.Tensor | None, kv_stored: bool) -> None:
-        """forward's first step: k/v into the pool at batch.out_cache_loc, unless the caller did (kv_stored)."""
-        if not kv_stored:
-            assert k is not None and v is not None, "k and v are needed unless kv_stored"
-            batch.kv_pool.store(layer_id, batch.out_cache_loc, k, v)
+    def prepare_replay(self, step: PagedAttentionStep) -> None:  # noqa: B027 (optional hook)
+        """Refresh device-side metadata before a CUDA graph of `step` replays (nothing by default)."""
 
-    def kv_cache_target(self, layer_id: int, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Where `forward` stores this step's K/V: (k_cache [S, Hkv, D], v_cache, slots [T] int64), for a
-        kernel that writes them itself (the fused RoPE) and then calls forward with kv_stored=True."""
-        pool = batch.kv_pool
-        return pool.k_buffer[layer_id], pool.v_buffer[layer_id], batch.out_cache_loc
+
+class PagedAttentionStep:
+    """One step's attention (mllmd.models.layers.attention.AttentionStep), as a backend planned it."""
+
+    __slots__ = ("backend", "batch", "meta", "pool")
+
+    def __init__(self, backend: AttentionBackend, batch: ForwardBatch, meta: Any) -> None:
+        self.backend, self.batch, self.meta, self.pool = backend, batch, meta, backend.kv_pool
+
+    def kv_cache(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.pool.k_buffer[layer], self.pool.v_buffer[layer], self.batch.out_cache_loc
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.pool.store(layer, self.batch.out_cache_loc, k, v)
+
+    def attend(
+        self, layer: int, q: torch.Tensor, scale: float, out_absmax: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.backend.attend(self, layer, q, scale, out_absmax)

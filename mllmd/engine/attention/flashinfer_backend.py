@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from mllmd_kernels import kv_indices
 
-from mllmd.engine.attention.base import AttentionBackend
+from mllmd.engine.attention.base import AttentionBackend, PagedAttentionStep
 from mllmd.engine.forward_batch import ForwardBatch
+from mllmd.engine.memory import KVPool
 
 WORKSPACE_BYTES = 256 << 20
 HEAD_DIMS = (64, 128, 256)  # what FlashInfer's prefill kernels are built for (0.6.x)
@@ -43,10 +44,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = False
 
     def __init__(
-        self, device: torch.device, num_qo_heads: int, scale: float, dtype: torch.dtype, head_dim: int | None = None
-    ) -> None:
+        self, kv_pool: KVPool, req_to_token: torch.Tensor, device: torch.device, num_qo_heads: int, scale: float,
+        dtype: torch.dtype, head_dim: int | None = None,
+    ) -> None:  # fmt: skip
         import flashinfer
 
+        super().__init__(kv_pool, req_to_token)
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"runtime.attention_backend: flashinfer computes in float16 or bfloat16, not {dtype}; use triton"
@@ -63,8 +66,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        pool = batch.kv_pool
+    def metadata(self, batch: ForwardBatch) -> _Meta:
+        pool = self.kv_pool
         _, hkv, d = pool.k_buffer[0].shape
         seq_lens = batch.seq_lens_cpu
         bsz = len(seq_lens)
@@ -73,7 +76,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         total = int(sum(seq_lens))
         kv_indptr_dev = torch.zeros(bsz + 1, dtype=torch.int32, device=self.device)
         kv_indptr_dev[1:] = torch.cumsum(batch.seq_lens, 0)
-        indices = kv_indices(batch.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens,
+        indices = kv_indices(self.req_to_token, batch.req_pool_indices, batch.seq_lens,
                              kv_indptr_dev, total)
         last_page_len = torch.ones(bsz, dtype=torch.int32)
         num_qo_heads = self.num_qo_heads
@@ -82,25 +85,21 @@ class FlashInferAttentionBackend(AttentionBackend):
                 kv_indptr_host, indices, last_page_len, num_qo_heads, hkv, d, 1,
                 q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=self.scale,
             )
-            batch.attn_metadata = _Meta(self._decode, True)
-            return
+            return _Meta(self._decode, True)
         qo_indptr_host = torch.zeros(bsz + 1, dtype=torch.int32)
         qo_indptr_host[1:] = torch.cumsum(torch.tensor(batch.extend_lens_cpu, dtype=torch.int32), 0)
         self._prefill.plan(
             qo_indptr_host, kv_indptr_host, indices, last_page_len, num_qo_heads, hkv, d, 1,
             causal=True, q_data_type=pool.dtype, kv_data_type=pool.dtype, sm_scale=self.scale,
         )
-        batch.attn_metadata = _Meta(self._prefill, False)
+        return _Meta(self._prefill, False)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
-        batch: ForwardBatch, kv_stored: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        self.store_kv(layer_id, batch, k, v, kv_stored)
-        pool = batch.kv_pool
-        k_cache = pool.k_buffer[layer_id].unsqueeze(1)  # [S, page=1, Hkv, D]
-        v_cache = pool.v_buffer[layer_id].unsqueeze(1)
-        meta: _Meta = batch.attn_metadata
+    def attend(
+        self, step: PagedAttentionStep, layer: int, q: torch.Tensor, scale: float, out_absmax: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pool = self.kv_pool
+        k_cache = pool.k_buffer[layer].unsqueeze(1)  # [S, page=1, Hkv, D]
+        v_cache = pool.v_buffer[layer].unsqueeze(1)
         if q.dtype != pool.dtype:
             q = q.to(pool.dtype)
-        return meta.wrapper.run(q.contiguous(), (k_cache, v_cache))
+        return step.meta.wrapper.run(q.contiguous(), (k_cache, v_cache)), None

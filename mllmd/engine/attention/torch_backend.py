@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mllmd.engine.attention.base import AttentionBackend
+from mllmd.engine.attention.base import AttentionBackend, PagedAttentionStep
 from mllmd.engine.forward_batch import ForwardBatch
 
 
@@ -33,16 +33,15 @@ def _grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
 class TorchAttentionBackend(AttentionBackend):
     supports_cuda_graph = False  # reads host-side sequence lengths and request rows every step
 
-    def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = batch.req_to_token_pool.req_to_token
+    def metadata(self, batch: ForwardBatch) -> _DecodeMeta | _ExtendMeta:
+        table = self.req_to_token
         if batch.is_decode:
             max_len = max(batch.seq_lens_cpu)
             kv_indices = table[batch.req_pool_indices, :max_len]  # [B, L]
             ar = torch.arange(max_len, device=kv_indices.device)
             valid = ar[None, :] < batch.seq_lens[:, None]  # [B, L]
             kv_indices = torch.where(valid, kv_indices, torch.zeros_like(kv_indices))
-            batch.attn_metadata = _DecodeMeta(kv_indices, valid[:, None, None, :])
-            return
+            return _DecodeMeta(kv_indices, valid[:, None, None, :])
         idx_list, masks = [], []
         rows = batch.req_pool_indices.tolist()
         for row, seq_len, prefix_len in zip(rows, batch.seq_lens_cpu, batch.prefix_lens_cpu):
@@ -50,19 +49,20 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(prefix_len, seq_len, device=table.device)
             k_pos = torch.arange(seq_len, device=table.device)
             masks.append((k_pos[None, :] <= q_pos[:, None])[None, None])  # [1, 1, E, S]
-        batch.attn_metadata = _ExtendMeta(idx_list, masks)
+        return _ExtendMeta(idx_list, masks)
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, scale: float,
-        batch: ForwardBatch, kv_stored: bool = False,
-    ) -> torch.Tensor:  # fmt: skip
-        self.store_kv(layer_id, batch, k, v, kv_stored)
-        pool = batch.kv_pool
-        k_buf, v_buf = pool.k_buffer[layer_id], pool.v_buffer[layer_id]
+    def attend(
+        self, step: PagedAttentionStep, layer: int, q: torch.Tensor, scale: float, out_absmax: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._attend(step.batch, step.meta, layer, q, scale), None
+
+    def _attend(
+        self, batch: ForwardBatch, meta: _DecodeMeta | _ExtendMeta, layer: int, q: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        k_buf, v_buf = self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer]
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv = k_buf.shape[1]
         group = num_heads // num_kv
-        meta = batch.attn_metadata
         if isinstance(meta, _DecodeMeta):
             bsz = q.shape[0]
             flat = meta.kv_indices.view(-1)

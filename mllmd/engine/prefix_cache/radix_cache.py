@@ -124,7 +124,7 @@ class RadixCache(PrefixCache):
                 self._protected += len(node.key)
                 self._leaves.discard(node)
             node.lock_ref += 1
-            node = node.parent
+            node = node.parent  # type: ignore[assignment]  # only the root has no parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -136,7 +136,7 @@ class RadixCache(PrefixCache):
                 self._protected -= len(node.key)
                 if not node.children:
                     self._leaves.add(node)
-            node = node.parent
+            node = node.parent  # type: ignore[assignment]  # only the root has no parent
 
     def evict(self, num_tokens: int) -> int:
         heap = [(n.last_access_time, n.id, n) for n in self._leaves]

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from mllmd.engine.sampling.batch_info import SamplingBatchInfo
 from mllmd.engine.sampling.filters import keep_mask, select_candidates
 from mllmd.engine.sampling.gumbel import gumbel, gumbel_noise, hash32, hash32_py, row_keys, uniform
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.sampler import Sampler, SamplerOutput, process_logits
+from mllmd.engine.sampling.states import SamplingBatchInfo, SamplingStates, uses_output_penalties
 
 __all__ = [
     "Sampler",
     "SamplerOutput",
     "SamplingBatchInfo",
+    "SamplingStates",
     "compute_logprobs",
     "gumbel",
     "gumbel_noise",
@@ -22,4 +23,5 @@ __all__ = [
     "row_keys",
     "select_candidates",
     "uniform",
+    "uses_output_penalties",
 ]

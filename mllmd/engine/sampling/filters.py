@@ -94,6 +94,7 @@ def _candidates(
     # top-k set (ties included) inside it, since top-p renormalises over that set.
     covered = ~keep[:, -1]
     if topk_on is not None:
+        assert thr_k is not None
         covered &= ~topk_on | (vals[:, -1] < thr_k)
     return vals, ids, keep, covered
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from mllmd.engine.device_io import to_device
@@ -56,14 +57,34 @@ def split_seed(seed: int) -> tuple[int, int]:
     return s & MASK32, s >> 32
 
 
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """lowbias32 on uint32 words held in a uint64 array (each product < 2^63)."""
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(MIX_MUL1)) & np.uint64(MASK32)
+    x = x ^ (x >> np.uint64(15))
+    x = (x * np.uint64(MIX_MUL2)) & np.uint64(MASK32)
+    return x ^ (x >> np.uint64(15))
+
+
+def row_keys_np(seed_words: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Per-row keys (k0, k1): seed_words [B, 2] (split_seed's lo, hi), positions [B] -> int64 [B, 2]."""
+    w = np.empty((len(positions), 3), dtype=np.uint64)
+    w[:, :2] = seed_words.astype(np.uint64)
+    w[:, 2] = positions.astype(np.uint64) & np.uint64(MASK32)
+    h = np.empty((len(positions), 2), dtype=np.uint64)
+    h[:, 0], h[:, 1] = KEY_INIT0, KEY_INIT1
+    for j in range(3):
+        h = _mix32_np(h ^ w[:, j : j + 1])
+    return h.astype(np.int64)
+
+
 def row_keys(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
     """Per-row keys (k0, k1) of (seed, output position): int64 [B, 2], values in [0, 2^32)."""
-    words = [(*split_seed(s), int(p) & MASK32) for s, p in zip(seeds, positions, strict=True)]
-    w = torch.tensor(words, dtype=torch.int64).reshape(-1, 3)  # [B, 3], on CPU: a few tiny ops
-    h = torch.tensor([[KEY_INIT0, KEY_INIT1]], dtype=torch.int64).repeat(w.shape[0], 1)  # [B, 2]
-    for j in range(3):
-        h = mix32(h ^ w[:, j : j + 1])
-    return to_device(h, torch.int64, device)
+    if len(seeds) != len(positions):
+        raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
+    words = np.array([split_seed(s) for s in seeds], dtype=np.int64).reshape(-1, 2)
+    keys = row_keys_np(words, np.array(positions, dtype=np.int64))
+    return to_device(torch.from_numpy(keys), torch.int64, device)
 
 
 def hash32(keys: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:

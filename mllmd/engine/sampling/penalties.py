@@ -6,34 +6,19 @@
 - frequency f and presence p (OpenAI semantics) over output tokens only, with c the token's count:
   ``logit -= f * c + p * (c > 0)``.
 
-Penalties touch only the tokens a row has seen, so they are kept sparse: one entry per distinct
-(row, token) pair, applied with a gather and a scatter (O(tokens seen), not O(B * V)).
+The penalised rows' prompt masks and output counts come from SamplingStates (kept on the device per
+request slot), so applying them is a few dense ops over those rows; untouched entries keep their
+values exactly.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from mllmd.engine.device_io import to_device
-
-
-def unique_tokens(
-    token_lists: list[list[int]], vocab_size: int, device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Distinct (list index, token) pairs and their counts: int64 rows [N], cols [N], float32 counts [N].
-
-    Ids outside [0, vocab_size) (padding, -1) are ignored. Pairs come sorted by (row, token).
-    """
-    rows = torch.tensor([i for i, toks in enumerate(token_lists) for _ in toks], dtype=torch.int64)
-    toks = torch.tensor([t for ts in token_lists for t in ts], dtype=torch.int64)
-    ok = (toks >= 0) & (toks < vocab_size)
-    flat, counts = torch.unique(rows[ok] * vocab_size + toks[ok], return_counts=True)  # [N]
-    dev = torch.device(device)
-    return (
-        to_device(flat // vocab_size, torch.int64, dev),
-        to_device(flat % vocab_size, torch.int64, dev),
-        to_device(counts, torch.float32, dev),
-    )
+if TYPE_CHECKING:
+    from mllmd.engine.sampling.states import SamplingBatchInfo
 
 
 def apply_logit_bias(
@@ -44,21 +29,50 @@ def apply_logit_bias(
 
 
 def apply_repetition_penalty(
-    logits: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, penalty: torch.Tensor
-) -> None:
-    """In place on distinct (rows, cols) pairs [N] with penalty [N]: x > 0 -> x / r, else x * r."""
-    v = logits[rows, cols]  # [N]
-    logits[rows, cols] = torch.where(v > 0, v / penalty, v * penalty)
+    x: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
+) -> torch.Tensor:
+    """x [P, V] float32 of the penalised rows, seen [P, V] bool (prompt or output token), penalty [P, 1]:
+    seen entries x > 0 -> x / r, else x * r; returns the new rows."""
+    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
 
 
 def apply_frequency_presence(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    cols: torch.Tensor,
-    counts: torch.Tensor,
-    frequency: torch.Tensor,
-    presence: torch.Tensor,
-) -> None:
-    """In place on distinct (rows, cols) pairs [N] with counts c > 0: x -= f * c + p (f, p per pair [N])."""
-    v = logits[rows, cols]  # [N]
-    logits[rows, cols] = v - (frequency * counts + presence)
+    x: torch.Tensor, counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor
+) -> torch.Tensor:
+    """x [P, V] float32, counts [P, V] int32 of the output tokens, frequency / presence [P, 1]:
+    entries with c > 0 -> x - (f * c + p); returns the new rows."""
+    c = counts.to(torch.float32)
+    return torch.where(counts > 0, x - (frequency * c + presence), x)
+
+
+def apply_penalties(x: torch.Tensor, info: SamplingBatchInfo) -> None:
+    """In place on float32 logits x [B, V]: the repetition, then frequency / presence penalties of the
+    batch's penalised rows, from their slots' prompt masks and output counts.
+
+    On an accelerator: dense ops over the penalised rows (no host sync, cost O(P * V) on the device).
+    On the CPU: per row, only the entries the row has seen (found with nonzero), as the same formulas
+    (so both give the same values)."""
+    counts, mask = info.output_counts, info.prompt_mask
+    assert counts is not None and info.penalty_idx is not None and info.penalty_slots is not None
+    rep, freq, pres = info.repetition, info.frequency, info.presence
+    if x.device.type != "cpu":
+        rows = x[info.penalty_idx]  # [P, V]
+        row_counts = counts[info.penalty_slots]  # [P, V]
+        if rep is not None:
+            assert mask is not None
+            rows = apply_repetition_penalty(rows, mask[info.penalty_slots] | (row_counts > 0), rep)
+        if freq is not None:
+            assert pres is not None
+            rows = apply_frequency_presence(rows, row_counts, freq, pres)
+        x[info.penalty_idx] = rows
+        return
+    for j, (row, slot) in enumerate(info.penalty_rows_cpu):
+        c = counts[slot]  # [V]
+        if rep is not None and float(rep[j, 0]) != 1.0:
+            assert mask is not None
+            cols = torch.nonzero(mask[slot] | (c > 0)).squeeze(1)
+            v = x[row, cols]
+            x[row, cols] = torch.where(v > 0, v / rep[j], v * rep[j])
+        if freq is not None and pres is not None and (float(freq[j, 0]) != 0.0 or float(pres[j, 0]) != 0.0):
+            cols = torch.nonzero(c).squeeze(1)
+            x[row, cols] = x[row, cols] - (freq[j] * c[cols].to(torch.float32) + pres[j])

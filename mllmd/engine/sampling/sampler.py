@@ -28,15 +28,11 @@ import torch
 from mllmd_kernels import GreedyWorkspace, greedy_argmax, gumbel_argmax
 from mllmd_kernels._triton import use_triton
 
-from mllmd.engine.sampling.batch_info import SamplingBatchInfo
 from mllmd.engine.sampling.filters import select_candidates
 from mllmd.engine.sampling.gumbel import gumbel, gumbel_noise
 from mllmd.engine.sampling.logprobs import compute_logprobs
-from mllmd.engine.sampling.penalties import (
-    apply_frequency_presence,
-    apply_logit_bias,
-    apply_repetition_penalty,
-)
+from mllmd.engine.sampling.penalties import apply_logit_bias, apply_penalties
+from mllmd.engine.sampling.states import SamplingBatchInfo
 
 # Sorted prefix examined by the filters before a full sort (CPU); see filters.select_candidates.
 CPU_PREFIX_WIDTH = 256
@@ -98,13 +94,8 @@ def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
     if info.bias_rows is not None:
         assert info.bias_cols is not None and info.bias_vals is not None
         apply_logit_bias(x, info.bias_rows, info.bias_cols, info.bias_vals)
-    if info.rep_rows is not None:
-        assert info.rep_cols is not None and info.rep_penalty is not None
-        apply_repetition_penalty(x, info.rep_rows, info.rep_cols, info.rep_penalty)
-    if info.fp_rows is not None:
-        assert info.fp_cols is not None and info.fp_counts is not None
-        assert info.frequency is not None and info.presence is not None
-        apply_frequency_presence(x, info.fp_rows, info.fp_cols, info.fp_counts, info.frequency, info.presence)
+    if info.penalty_idx is not None:
+        apply_penalties(x, info)
     return x
 
 

@@ -9,7 +9,7 @@ the output projection quantizes its input itself, attention also writes max|out|
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from mllmd_kernels import rope
@@ -18,7 +18,17 @@ from torch import nn
 from mllmd.models.layers.dispatch import fused_kernels
 from mllmd.models.layers.fused_inputs import RowsWithAmax
 from mllmd.models.layers.norm import RMSNorm
-from mllmd.models.layers.rotary import RotaryEmbedding
+from mllmd.models.layers.rotary import RopeTable, apply_rope
+
+
+class AttentionShape(NamedTuple):
+    """What the KV pool and the attention backend are sized by: `num_layers` KV layers (the model's
+    attention layers) of `num_kv_heads` x `head_dim`, read by `num_heads` query heads."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
 
 
 class AttentionStep(Protocol):
@@ -39,10 +49,11 @@ class AttentionStep(Protocol):
 
 
 class RotaryAttention(nn.Module):
-    """q, k, v of one layer -> attention output [T, Hq * D]: QK RMSNorm (when the model has it), RoPE,
-    K/V into the pool, attention. `kv_layer` indexes the KV pool (the layer's place among the model's
-    attention layers). The norms and the rotary table belong to the model's attention module (their
-    weights are named there); they are referenced here, not registered a second time."""
+    """q, k, v of one layer -> attention output [T, Hq * D]: QK RMSNorm (when the model has it), RoPE
+    (the step's table, on the first `rotary_dim` dims), K/V into the pool, attention. `kv_layer`
+    indexes the KV pool (the layer's place among the model's attention layers); `dtype` is the
+    model's. The norms belong to the model's attention module (their weights are named there); they
+    are referenced here, not registered a second time."""
 
     def __init__(
         self,
@@ -50,43 +61,46 @@ class RotaryAttention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         kv_layer: int,
-        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.kv_layer = kv_layer
+        self.dtype = dtype  # what the rope kernel returns (and the KV pool must hold for it to store K/V)
+        self.rotary_dim = rotary_dim or head_dim
         self.scale = head_dim**-0.5
-        self._parts = (rotary, q_norm, k_norm)  # a tuple: not submodules of this one
+        self._norms = (q_norm, k_norm)  # a tuple: not submodules of this one
         # Set by the fusion plan: the rope kernel stores K/V itself; attention writes max|out| partials.
         self.rope_stores_kv = False
         self.out_absmax = False
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: AttentionStep
+        self, rope_table: RopeTable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: AttentionStep
     ) -> torch.Tensor | RowsWithAmax:
         """q [T, Hq * D], k / v [T, Hkv * D] (views into a fused qkv output are fine)."""
-        rotary, q_norm, k_norm = self._parts
+        q_norm, k_norm = self._norms
         q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         layer = self.kv_layer
-        if fused_kernels(q):  # QK-norm and RoPE in one Triton launch
+        if self.rotary_dim == self.head_dim and fused_kernels(q):  # QK-norm and RoPE in one Triton launch
+            cos, sin, index = rope_table
             qw = q_norm.weight if q_norm is not None else None
             kw = k_norm.weight if k_norm is not None else None
             eps = q_norm.eps if q_norm is not None else 1e-6
             if self.rope_stores_kv:
                 k_cache, v_cache, slots = step.kv_cache(layer)
-                q, _ = rope(positions, q, k, rotary.cos_cache, rotary.sin_cache, qw, kw, eps,
-                            kv_cache=(v, k_cache, v_cache, slots))
+                q, _ = rope(index, q, k, cos, sin, qw, kw, eps, kv_cache=(v, k_cache, v_cache, slots))
             else:
-                q, k = rope(positions, q, k, rotary.cos_cache, rotary.sin_cache, qw, kw, eps)
+                q, k = rope(index, q, k, cos, sin, qw, kw, eps)
                 step.store(layer, k, v)
         else:
             if q_norm is not None and k_norm is not None:
                 q, k = q_norm(q), k_norm(k)
-            q, k = rotary(positions, q, k)
+            q, k = apply_rope(rope_table, q, k)
             step.store(layer, k, v)
         out, amax = step.attend(layer, q, self.scale, self.out_absmax)  # [T, Hq, D]
         out = out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,9 +1,9 @@
 """Inputs that carry the last step of the op before into the next layer's kernel launch.
 
-Between the layers of a decoder the fusion plan (fusion.py) may hand a Linear, instead of a plain
-tensor, one of these: rows already quantized for a W8A8 kernel, rows with their max|x| partials,
-or rows whose RMSNorm the consuming kernel applies itself. Only the layers package makes and
-takes them; model files see plain tensors.
+Between the layers of a decoder the fusion plan (fusion.py) may have an op hand the next Linear,
+instead of a plain tensor, one of these: rows already quantized for a W8A8 kernel, rows with their
+max|x| partials, or rows whose RMSNorm the consuming kernel applies itself. Only the layers package
+makes and takes them; model files pass them on without looking.
 """
 
 from __future__ import annotations
@@ -36,20 +36,12 @@ class RowsWithAmax:
 
 @dataclass
 class NormRows:
-    """Rows x [T, H] whose RMSNorm (with the residual add) has not run yet: the consuming kernel
-    applies it in its own launch where it can, else `normed()` runs it apart. Either way x + residual
-    (x itself without a residual) lands in `residual_out`, the decoder's next residual, which the
-    norm allocated when it handed these rows on."""
+    """Rows x [T, H] whose RMSNorm (with the residual add) the consuming kernel applies in its own
+    launch (the norm hands these on only where `Linear.can_fuse_norm` said it will). The launch
+    writes x + residual into `residual_out`, the decoder's next residual, which the norm allocated
+    when it handed these rows on (x itself without a residual)."""
 
     x: torch.Tensor
     residual: torch.Tensor | None
-    norm: Any  # an RMSNorm: .weight, .eps, and norm(x) / norm(x, residual) -> (normed, x + residual)
+    norm: Any  # an RMSNorm: .weight, .eps
     residual_out: torch.Tensor
-
-    def normed(self) -> torch.Tensor:
-        """Run the norm on its own, writing x + residual into residual_out."""
-        if self.residual is None:
-            return self.norm(self.x)  # residual_out is x itself
-        out, total = self.norm(self.x, self.residual)
-        self.residual_out.copy_(total)
-        return out

@@ -2,13 +2,12 @@
 
 A layer built with a quantization scheme stores the checkpoint's quantized tensors instead of a
 dense `weight` and computes through its QuantMethod (mllmd.models.quantization), whose kernel is
-chosen per device once the weights are loaded.
+chosen per device once the weights are loaded. Besides plain tensors a layer takes the inputs of
+fused_inputs.py, which the fusion plan (fusion.py) has the op before it hand on only where the
+layer's kernel takes them.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,52 +15,9 @@ from mllmd_kernels import gemv
 from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
-from mllmd.models.layers.activation import SiluAndMul
 from mllmd.models.layers.dispatch import use_gemv
-from mllmd.models.quantization import LinearScheme, QuantMethod, create_quant_method
-
-
-@dataclass
-class Int8Rows:
-    """Activations already quantized per token for a W8A8 layer (by the norm or activation kernel
-    before it): q int8 [T, K], scale float32 [T, 1], and the dtype the layer's output takes."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-    dtype: torch.dtype
-
-
-@dataclass
-class RowsWithAmax:
-    """Activations x [T, K] not yet quantized, with float32 partials whose max is max|x| (written by
-    the kernel that produced x): a W8A8 layer that quantizes x in its own launch takes the scale
-    from them instead of reading x an extra time."""
-
-    x: torch.Tensor
-    amax_parts: torch.Tensor
-
-
-_SILU_AND_MUL = SiluAndMul()
-
-
-@dataclass
-class NormRows:
-    """Rows x [T, H] whose RMSNorm (with the residual add) has not run yet: a layer whose kernel applies
-    it in its own launch (`Linear.fuses_norm`) does so, others run `norm` first. Once the layer has
-    run, `residual_out` holds x + residual (x itself without a residual): the decoder's next residual."""
-
-    x: torch.Tensor
-    residual: torch.Tensor | None
-    norm: Any  # an RMSNorm: norm(x) or norm(x, residual) -> (normed, x + residual); .weight, .eps
-    residual_out: torch.Tensor | None = None
-
-    def normed(self) -> torch.Tensor:
-        """Run the norm on its own (sets residual_out)."""
-        if self.residual is None:
-            self.residual_out = self.x
-            return self.norm(self.x)
-        out, self.residual_out = self.norm(self.x, self.residual)
-        return out
+from mllmd.models.layers.fused_inputs import Int8Rows, NormRows, RowsWithAmax
+from mllmd.models.quantization import LinearScheme, QuantLinearKernel, QuantMethod, create_quant_method
 
 
 class Linear(nn.Module):
@@ -87,18 +43,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax | NormRows) -> torch.Tensor:
-        if isinstance(x, NormRows):  # the norm in this layer's launch where its kernel can, else apart
-            out = self._apply_fused(x, silu=False)
-            if out is not None:
-                return out
-            x = x.normed()
-        if isinstance(x, Int8Rows):  # quantized by the op before (only when takes_int8_input)
-            if self.quant_method is None:
-                raise RuntimeError("int8 rows given to an unquantized layer")
-            return self.quant_method.apply_int8(self, x.q, x.scale, x.dtype, self.bias)
+        if isinstance(x, NormRows):  # the norm in this layer's launch (the plan made sure it can)
+            return self._apply_fused(x, silu=False)
+        if isinstance(x, Int8Rows):  # quantized by the op before (only where the kernel takes_int8_input)
+            return self.kernel.apply_int8(self, x.q, x.scale, x.dtype, self.bias)
         if isinstance(x, RowsWithAmax):
             if self.quant_method is not None:
-                return self.quant_method.apply_with_amax(self, x.x, x.amax_parts, self.bias)
+                return self.kernel.apply_with_amax(self, x.x, x.amax_parts, self.bias)
             x = x.x
         if self.quant_method is None:
             if self.bias is None and use_gemv(x):
@@ -107,37 +58,30 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
     @property
-    def takes_int8_input(self) -> bool:
-        """The layer's kernel accepts per-token int8 activations (W8A8 on the GPU), so the op before
-        it may quantize them in its own launch and pass `Int8Rows` to forward()."""
-        return self.quant_method is not None and self.quant_method.takes_int8_input
+    def kernel(self) -> QuantLinearKernel:
+        """The quantized kernel chosen for this layer's device (after loading); the fusion plan reads
+        what it can take."""
+        kernel = self.quant_method.kernel if self.quant_method is not None else None
+        if kernel is None:
+            raise RuntimeError("an unquantized or not yet loaded layer has no quantized kernel")
+        return kernel
 
-    def _apply_fused(self, x: torch.Tensor | NormRows, silu: bool) -> torch.Tensor | None:
-        """The kernel's launch with the norm of NormRows before it (setting its residual_out) and / or
-        silu(gate) * up after it; None where the kernel cannot for this x."""
-        if self.quant_method is None:
-            return None
-        if not isinstance(x, NormRows):
-            return self.quant_method.apply_fused(self, x, self.bias, None, silu)
-        if not self.quant_method.fuses_norm:
-            return None
-        norm = NormInput(x.norm.weight, x.norm.eps, x.residual)
-        out = self.quant_method.apply_fused(self, x.x, self.bias, norm, silu)
-        if out is not None:
-            x.residual_out = norm.residual_out
+    def can_fuse_norm(self, x: torch.Tensor, norm: NormInput, silu: bool) -> bool:
+        """Whether this layer's kernel applies `norm` to x in its own launch (and, with `silu`, a gate/up
+        layer's silu(gate) * up too) for this x."""
+        kernel = self.quant_method.kernel if self.quant_method is not None else None
+        return kernel is not None and kernel.fusable(self, x, norm, silu)
+
+    def _apply_fused(self, x: torch.Tensor | NormRows, silu: bool) -> torch.Tensor:
+        """The kernel's launch with the norm of NormRows before it and / or silu(gate) * up after it."""
+        if isinstance(x, NormRows):
+            norm = NormInput(x.norm.weight, x.norm.eps, x.residual, x.residual_out if x.residual is not None else None)
+            out = self.kernel.apply_fused(self, x.x, self.bias, norm, silu)
+        else:
+            out = self.kernel.apply_fused(self, x, self.bias, None, silu)
+        if out is None:
+            raise RuntimeError("the fused launch was planned for an input its kernel does not take")
         return out
-
-    @property
-    def fuses_norm(self) -> bool:
-        """The layer's kernel can apply the RMSNorm before it in its own launch (for some inputs: one
-        bf16 row on the W4A16 CUDA kernel), so the decoder may pass `NormRows` to forward()."""
-        return self.quant_method is not None and self.quant_method.fuses_norm
-
-    @property
-    def takes_amax(self) -> bool:
-        """The layer's kernel quantizes its input itself and can take the scale from max|x| partials
-        the op before wrote (`RowsWithAmax`), so that op may write them."""
-        return self.quant_method is not None and self.quant_method.takes_amax
 
     def shard_rows(self, shard: str | None) -> tuple[int, int]:
         """(first output row, row count) of a checkpoint shard; the whole layer for None."""
@@ -201,35 +145,17 @@ class MergedLinear(Linear):
             raise ValueError(f"unknown shard {shard!r} (expected one of {', '.join(self.shard_offsets)})")
         return self.shard_offsets[shard]
 
-    @property
-    def fuses_silu_mul(self) -> bool:
-        """The layer's kernel can apply silu(gate) * up in its own launch (for some inputs: one bf16
-        row on the W4A16 CUDA kernel), so the MLP may call forward_silu_mul()."""
-        return self.quant_method is not None and self.quant_method.fuses_silu_mul
-
     def forward_silu_mul(self, x: torch.Tensor | Int8Rows | NormRows) -> torch.Tensor | RowsWithAmax:
-        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2], in the kernel's
-        own epilogue where it has one (int8 rows: only when takes_int8_input, with the max|out| partials
-        where that epilogue writes them; else where fuses_silu_mul, and the norm of `NormRows` too),
-        otherwise by a separate activation."""
+        """silu(first shard) * second shard of this gate/up layer's output [T, N / 2] in the kernel's own
+        epilogue: int8 rows (W8A8: with the max|out| partials where that epilogue writes them), or rows
+        (and NormRows) the kernel can_fuse_norm with silu."""
         sizes = [size for _, size in self.shard_offsets.values()]
         if len(sizes) != 2 or sizes[0] != sizes[1]:
             raise RuntimeError(f"silu_and_mul needs two equal shards, not {sizes}")
         if isinstance(x, Int8Rows):
-            if self.quant_method is None:
-                raise RuntimeError("int8 rows given to an unquantized layer")
-            out, amax_parts = self.quant_method.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
+            out, amax_parts = self.kernel.apply_int8_silu_mul(self, x.q, x.scale, x.dtype, self.bias)
             return out if amax_parts is None else RowsWithAmax(out, amax_parts)
-        if self.quant_method is not None and self.quant_method.fuses_silu_mul:
-            out = self._apply_fused(x, silu=True)
-            if out is None and isinstance(x, NormRows):  # the norm apart, silu in the launch where it can
-                x = x.normed()
-                out = self._apply_fused(x, silu=True)
-            if out is not None:
-                return out
-        if isinstance(x, NormRows):
-            x = x.normed()
-        return _SILU_AND_MUL(self(x))
+        return self._apply_fused(x, silu=True)
 
     def load_shard(self, param_name: str, shard: str, loaded: torch.Tensor) -> bool:
         """Copy one checkpoint tensor (e.g. k_proj.weight) into its slice of the fused parameter."""

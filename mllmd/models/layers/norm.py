@@ -1,13 +1,21 @@
-"""RMSNorm with an optional fused residual add (numerics as in Hugging Face Qwen3)."""
+"""RMSNorm with an optional fused residual add (numerics as in Hugging Face Qwen3).
+
+What a norm hands the layer after it is set by the fusion plan (fusion.py): normed rows (the
+default), rows quantized per token in the same launch for a W8A8 kernel, or, where the next
+kernel applies the norm in its own launch, the rows still to norm (NormRows).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from mllmd_kernels import rmsnorm, rmsnorm_int8
+from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
 from mllmd.models.layers.dispatch import fused_kernels
-from mllmd.models.layers.linear import Int8Rows
+from mllmd.models.layers.fused_inputs import Int8Rows, NormRows
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +23,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        # Set by the fusion plan: quantize the output for a W8A8 kernel; or (linear, silu) whose launch
+        # applies this norm itself where it can_fuse_norm (a tuple, so the layer is not a submodule).
+        self.int8_output = False
+        self.fused_into: tuple[Any, bool] | None = None
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         in_dtype = x.dtype
@@ -22,10 +34,18 @@ class RMSNorm(nn.Module):
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(in_dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). norm(x) is a
+        tensor, or what the fusion plan has this norm hand on (Int8Rows, NormRows)."""
+        if self.fused_into is not None:
+            linear, silu = self.fused_into
+            if linear.can_fuse_norm(x, NormInput(self.weight, self.eps, residual), silu):
+                if residual is None:
+                    return NormRows(x, None, self, x)
+                total = torch.empty_like(x)  # the fused launch writes x + residual here
+                return NormRows(x, residual, self, total), total
+        if self.int8_output:
+            return self.forward_int8(x, residual)
         if fused_kernels(x):  # one Triton kernel: add, reduce, scale (same rounding as below)
             return rmsnorm(x, self.weight, self.eps, residual)
         if residual is None:

@@ -63,17 +63,21 @@ class CudaW4A16Kernel(TritonW4A16Kernel):
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
         return super().apply(layer, x, bias)
 
+    def fusable(self, layer: Linear, x: torch.Tensor, norm: NormInput | None, silu: bool) -> bool:
+        x2 = x.reshape(-1, x.shape[-1])
+        if not (self.fuses_norm and x2.shape[0] == 1 and x2.dtype == layer.params_dtype and x2.stride(-1) == 1
+                and mma.aligned(x2)):  # fmt: skip
+            return False
+        if silu and not self.fuses_silu_mul:
+            return False
+        return norm is None or mma.norm_fusable(x2, norm.weight, norm.residual)
+
     def apply_fused(
         self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
     ) -> torch.Tensor | None:
+        if not self.fusable(layer, x, norm, silu):
+            return None
         x2 = _rows(x)
-        rows = x2.shape[0]
-        if not (self.fuses_norm and rows == 1 and x2.dtype == layer.params_dtype and mma.aligned(x2)):
-            return None
-        if silu and not self.fuses_silu_mul:
-            return None
-        if norm is not None and not mma.norm_fusable(x2, norm.weight, norm.residual):
-            return None
         zero_point = getattr(layer, "weight_zero_point", None)
         out = mma.w4a16_mma(x2, layer.weight_packed, layer.weight_scale, zero_point, bias, norm=norm, silu=silu)
         if norm is not None and norm.residual is None:

@@ -83,12 +83,16 @@ class QuantLinearKernel(ABC):
     fuses_norm: bool = False
     fuses_silu_mul: bool = False
 
+    def fusable(self, layer: Linear, x: torch.Tensor, norm: NormInput | None, silu: bool) -> bool:
+        """Whether apply_fused runs this x (with this norm, and silu) in one launch."""
+        return False
+
     def apply_fused(
         self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
     ) -> torch.Tensor | None:
         """apply() with `norm` applied to x first (leaving x + residual in norm.residual_out) and / or
         (`silu`, a gate/up layer) silu(first half) * second half of the output, in one launch; None
-        where this kernel cannot for this x (the caller then runs them apart)."""
+        where this kernel cannot for this x (`fusable` says so beforehand)."""
         return None
 
 

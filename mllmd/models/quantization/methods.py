@@ -11,7 +11,6 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
-from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
 from mllmd.models.quantization import ops
@@ -54,42 +53,6 @@ class QuantMethod(ABC):
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self._loaded_kernel().apply(layer, x, bias)
-
-    @property
-    def takes_int8_input(self) -> bool:
-        return self.kernel is not None and self.kernel.takes_int8_input
-
-    @property
-    def takes_amax(self) -> bool:
-        return self.kernel is not None and self.kernel.takes_amax
-
-    def apply_int8(
-        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self._loaded_kernel().apply_int8(layer, q, scale, out_dtype, bias)
-
-    def apply_int8_silu_mul(
-        self, layer: Linear, q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._loaded_kernel().apply_int8_silu_mul(layer, q, scale, out_dtype, bias)
-
-    def apply_with_amax(
-        self, layer: Linear, x: torch.Tensor, amax_parts: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self._loaded_kernel().apply_with_amax(layer, x, amax_parts, bias)
-
-    @property
-    def fuses_norm(self) -> bool:
-        return self.kernel is not None and self.kernel.fuses_norm
-
-    @property
-    def fuses_silu_mul(self) -> bool:
-        return self.kernel is not None and self.kernel.fuses_silu_mul
-
-    def apply_fused(
-        self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None, norm: NormInput | None, silu: bool
-    ) -> torch.Tensor | None:
-        return self._loaded_kernel().apply_fused(layer, x, bias, norm, silu)
 
 
 class W8A8Int8Method(QuantMethod):

@@ -1,0 +1,69 @@
+"""A chat with images -> token ids with each image's pad tokens expanded, and the processed images.
+
+What the tokenizer worker (and the offline `LLM.chat`) does for a vision-language model: load each
+image part in message order (`image_url` parts: data URLs, allowed local paths, allowed remote URLs;
+or an `image` part holding a PIL image, offline), resize it for the model, render the chat template
+(one `<|vision_start|><|image_pad|><|vision_end|>` per image), tokenize, and repeat each image's pad
+token for its number of tokens. Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mllmd.multimodal.image_io import ImageLimits, check_image_count, load_image
+from mllmd.multimodal.image_processing import (
+    DEFAULT_RESIZE_MAX_PIXELS,
+    ProcessedImage,
+    VisionPreprocessConfig,
+    process_image,
+)
+from mllmd.multimodal.prompt import VisionTokenIds, expand_image_placeholders
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    input_ids: list[int]
+    images: list[ProcessedImage]
+    image_spans: list[tuple[int, int]]  # [start, end) of each image's tokens in input_ids
+    text: str  # the rendered template
+
+
+def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The image parts of a chat, in the order the chat template renders their placeholders."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            out += [part for part in content if isinstance(part, dict) and part.get("type") in ("image_url", "image")]
+    return out
+
+
+def load_part(part: dict[str, Any], limits: ImageLimits, index: int) -> Any:
+    """A decoded RGB PIL image for one image part."""
+    if part.get("type") == "image":
+        from mllmd.multimodal.image_io import to_rgb
+
+        return to_rgb(part["image"])
+    return load_image(part["image_url"]["url"], limits, index=index)
+
+
+def build_vision_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template_kwargs: dict[str, Any],
+    preprocess: VisionPreprocessConfig,
+    tokens: VisionTokenIds,
+    limits: ImageLimits,
+    max_image_pixels: int | None = DEFAULT_RESIZE_MAX_PIXELS,
+) -> VisionPrompt:
+    """Images loaded, checked and resized (ImageError naming the rule), then the prompt built around them."""
+    parts = image_parts(messages)
+    check_image_count(len(parts), limits)
+    images = [process_image(load_part(part, limits, i + 1), preprocess, max_image_pixels) for i, part in enumerate(parts)]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    prompt = expand_image_placeholders(ids, [im.num_tokens for im in images], tokens)
+    return VisionPrompt(prompt.input_ids, images, prompt.image_spans, text)
