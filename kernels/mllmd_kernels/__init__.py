@@ -46,6 +46,12 @@ from mllmd_kernels.w4a16_gemm import (
     w4a16_gemm,
     w4a16_gemm_ref,
 )
+from mllmd_kernels.causal_conv1d import (
+    causal_conv1d_decode,
+    causal_conv1d_decode_ref,
+    causal_conv1d_prefill,
+    causal_conv1d_prefill_ref,
+)
 
 __all__ = [
     "pdl_launches",
@@ -105,4 +111,8 @@ __all__ = [
     "w4a16_gemm_ref",
     "w8a8_linear",
     "w8a8_linear_ref",
+    "causal_conv1d_decode",
+    "causal_conv1d_decode_ref",
+    "causal_conv1d_prefill",
+    "causal_conv1d_prefill_ref",
 ]
