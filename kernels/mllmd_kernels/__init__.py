@@ -46,6 +46,9 @@ from mllmd_kernels.w4a16_gemm import (
     w4a16_gemm,
     w4a16_gemm_ref,
 )
+
+# isort: split
+# Gated DeltaNet (Qwen3.5) kernels.
 from mllmd_kernels.causal_conv1d import (
     causal_conv1d_decode,
     causal_conv1d_decode_ref,
