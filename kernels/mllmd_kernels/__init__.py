@@ -55,6 +55,19 @@ from mllmd_kernels.causal_conv1d import (
     causal_conv1d_prefill,
     causal_conv1d_prefill_ref,
 )
+from mllmd_kernels.gated_delta_rule_chunk import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_ref,
+    gated_delta_rule_chunked_ref,
+)
+from mllmd_kernels.gated_delta_rule_decode import (
+    fused_gdn_gating_decode,
+    fused_gdn_gating_decode_ref,
+    fused_recurrent_gated_delta_rule_decode,
+    fused_recurrent_gated_delta_rule_decode_ref,
+    gated_delta_rule_recurrent_ref,
+    gdn_gating_ref,
+)
 
 __all__ = [
     "pdl_launches",
@@ -118,4 +131,13 @@ __all__ = [
     "causal_conv1d_decode_ref",
     "causal_conv1d_prefill",
     "causal_conv1d_prefill_ref",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_ref",
+    "gated_delta_rule_chunked_ref",
+    "fused_gdn_gating_decode",
+    "fused_gdn_gating_decode_ref",
+    "fused_recurrent_gated_delta_rule_decode",
+    "fused_recurrent_gated_delta_rule_decode_ref",
+    "gated_delta_rule_recurrent_ref",
+    "gdn_gating_ref",
 ]
