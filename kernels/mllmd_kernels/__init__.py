@@ -68,6 +68,8 @@ from mllmd_kernels.gated_delta_rule_decode import (
     gated_delta_rule_recurrent_ref,
     gdn_gating_ref,
 )
+from mllmd_kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
+from mllmd_kernels.rmsnorm_zero_centred import rmsnorm_zero_centred, rmsnorm_zero_centred_ref
 
 __all__ = [
     "pdl_launches",
@@ -140,4 +142,8 @@ __all__ = [
     "fused_recurrent_gated_delta_rule_decode_ref",
     "gated_delta_rule_recurrent_ref",
     "gdn_gating_ref",
+    "gated_rmsnorm",
+    "gated_rmsnorm_ref",
+    "rmsnorm_zero_centred",
+    "rmsnorm_zero_centred_ref",
 ]
