@@ -13,7 +13,15 @@ from mllmd_kernels import (
     fused_recurrent_gated_delta_rule_decode,
     gated_delta_rule_recurrent_ref,
 )
-from mllmd_kernels.testing import DTYPES_WITH_FP32, kernel_device, on_gpu, poisoned, randn, rel_err, skip_reason
+from mllmd_kernels.testing import (
+    DTYPES_WITH_FP32,
+    kernel_device,
+    on_gpu,
+    poisoned,
+    randn,
+    rel_err,
+    skip_reason,
+)
 
 DEVICE = kernel_device()
 pytestmark = pytest.mark.skipif(DEVICE is None, reason=skip_reason())

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import mllmd_kernels as mk
 import pytest
 import torch
-import mllmd_kernels as mk
 from mllmd_kernels.testing import kernel_device, rel_err, skip_reason
 
 DEVICE = kernel_device()
