@@ -47,6 +47,30 @@ from mllmd_kernels.w4a16_gemm import (
     w4a16_gemm_ref,
 )
 
+# isort: split
+# Gated DeltaNet (Qwen3.5) kernels.
+from mllmd_kernels.causal_conv1d import (
+    causal_conv1d_decode,
+    causal_conv1d_decode_ref,
+    causal_conv1d_prefill,
+    causal_conv1d_prefill_ref,
+)
+from mllmd_kernels.gated_delta_rule_chunk import (
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_ref,
+    gated_delta_rule_chunked_ref,
+)
+from mllmd_kernels.gated_delta_rule_decode import (
+    fused_gdn_gating_decode,
+    fused_gdn_gating_decode_ref,
+    fused_recurrent_gated_delta_rule_decode,
+    fused_recurrent_gated_delta_rule_decode_ref,
+    gated_delta_rule_recurrent_ref,
+    gdn_gating_ref,
+)
+from mllmd_kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_ref
+from mllmd_kernels.rmsnorm_zero_centred import rmsnorm_zero_centred, rmsnorm_zero_centred_ref
+
 __all__ = [
     "pdl_launches",
     "HAS_TRITON",
@@ -105,4 +129,21 @@ __all__ = [
     "w4a16_gemm_ref",
     "w8a8_linear",
     "w8a8_linear_ref",
+    "causal_conv1d_decode",
+    "causal_conv1d_decode_ref",
+    "causal_conv1d_prefill",
+    "causal_conv1d_prefill_ref",
+    "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_ref",
+    "gated_delta_rule_chunked_ref",
+    "fused_gdn_gating_decode",
+    "fused_gdn_gating_decode_ref",
+    "fused_recurrent_gated_delta_rule_decode",
+    "fused_recurrent_gated_delta_rule_decode_ref",
+    "gated_delta_rule_recurrent_ref",
+    "gdn_gating_ref",
+    "gated_rmsnorm",
+    "gated_rmsnorm_ref",
+    "rmsnorm_zero_centred",
+    "rmsnorm_zero_centred_ref",
 ]
