@@ -58,6 +58,8 @@ class Engine:
             max_prefill_tokens=config.max_prefill_tokens,
             chunked_prefill_size=config.chunked_prefill_size,
             prefill_wait_s=config.prefill_wait_ms / 1e3,
+            encoder_tokens_per_step=config.max_encoder_tokens_per_step,
+            encoder_cost=self.runner.vision.uncached_tokens if self.runner.vision is not None else None,
         )
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
         ov = config.overlap_schedule

@@ -19,7 +19,7 @@ import torch
 
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import PrefixCache
-from mllmd.engine.request import PLACEHOLDER, Req, ReqStatus
+from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
 
 
 @dataclass
@@ -55,7 +55,12 @@ class Scheduler:
         chunked_prefill_size: int,
         prefill_wait_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        encoder_tokens_per_step: int = 0,
+        encoder_cost: Callable[[EngineImage], int] | None = None,
     ) -> None:
+        """`encoder_cost(image)`: the vision-encoder tokens computing any of the image's rows costs now (0
+        once its output is cached); a step's prefill chunks may need at most `encoder_tokens_per_step`
+        of them (an image larger than that is encoded alone in its step)."""
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.cache = cache
@@ -64,6 +69,8 @@ class Scheduler:
         self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
         self.prefill_wait_s = prefill_wait_s
         self.clock = clock
+        self.encoder_tokens_per_step = encoder_tokens_per_step
+        self.encoder_cost = encoder_cost
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -139,6 +146,8 @@ class Scheduler:
         lens: list[int] = []
         slots: list[torch.Tensor] = []
         budget = self.max_prefill_tokens
+        self._encoding: set[bytes] = set()  # images this step encodes
+        self._encoder_left = self.encoder_tokens_per_step
 
         # Steady state: every running request decodes one token; one allocation for all of them.
         i = 0
@@ -157,6 +166,8 @@ class Scheduler:
             n = 1 if remaining == 1 else min(remaining, self._chunk_cap(budget))
             if req.num_output >= req.params.max_tokens:
                 n = 0  # its last token is still on its way (overlap): it finishes by length then
+            elif n > 1:
+                n = self._fit_encoder(req, n)
             if n <= 0:
                 i += 1
                 continue
@@ -190,6 +201,10 @@ class Scheduler:
                 break
             if self.chunk_size is None:
                 n = remaining  # a lone unchunked prompt may exceed the budget
+            n = self._fit_encoder(req, n)
+            if n <= 0:
+                self.release(req)  # its images wait for the next step's encoder budget
+                break
             headroom = len(self.running)  # keep room for the next step's decodes
             if self.allocator.available_size() + self.cache.evictable_size() < n + headroom:
                 self.release(req)
@@ -250,6 +265,25 @@ class Scheduler:
                 return None
             out.append(req)
         return out or None
+
+    def _fit_encoder(self, req: Req, n: int) -> int:
+        """How much of the next n tokens of `req` this step can compute within the encoder budget: the
+        chunk ends before the first image whose (uncached) encoding would overrun it, unless nothing
+        is encoded yet this step (a large image is then encoded alone)."""
+        if not req.images or self.encoder_cost is None:
+            return n
+        p = req.kv_len
+        for image in req.images:
+            if image.end <= p or image.start >= p + n or image.content_hash in self._encoding:
+                continue
+            cost = self.encoder_cost(image)
+            if cost == 0:
+                continue
+            if cost > self._encoder_left and self._encoding:
+                return max(0, image.start - p)
+            self._encoding.add(image.content_hash)
+            self._encoder_left -= cost
+        return n
 
     def _chunk_cap(self, budget: int) -> int:
         return budget if self.chunk_size is None else min(budget, self.chunk_size)

@@ -161,3 +161,27 @@ def test_prefix_cache_knows_images(llm: LLM) -> None:
     assert warm_b.cached_tokens <= image_start + 1, "B shared KV past the first image token"
     again = llm.chat(conv_a, GREEDY)[0]
     assert again.cached_tokens > image_start + 10, "the same image again did not hit the prefix cache"
+
+
+def test_encoder_budget_spreads_images_over_steps(model: Path, hf: Any, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """scheduler.max_encoder_tokens_per_step=1: no step encodes two images (each is then encoded alone),
+    and the outputs are unchanged; an image seen before comes from the encoder cache, even where the
+    prefix cache no longer has its KV."""
+    from mllmd.engine.vision_runner import VisionRunner
+
+    cases = ("two_images", "image_first", "image_last")
+    convs = [messages_for(*CASES[c]) for c in cases]
+    wants = [hf_greedy(hf, llm, conv, CASES[c][1]) for conv, c in zip(convs, cases)]
+    calls: list[int] = []
+    real = VisionRunner.encode
+    monkeypatch.setattr(VisionRunner, "encode", lambda self, images: calls.append(len(images)) or real(self, images))
+    budgeted = LLM(str(model), dtype="float32", max_encoder_tokens_per_step=1)
+    assert [o.token_ids for o in budgeted.chat(convs, GREEDY)] == wants
+    assert calls == [1, 1, 1, 1], calls  # four distinct images, one per step
+    calls.clear()
+    budgeted.engine.flush_cache()  # no prefix hit: the image's rows are needed again
+    vision = budgeted.engine.runner.vision
+    assert vision is not None
+    hits = vision.cache.hits
+    assert budgeted.chat(convs[1], GREEDY)[0].token_ids == wants[1]
+    assert calls == [] and vision.cache.hits > hits
