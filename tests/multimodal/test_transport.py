@@ -296,7 +296,7 @@ def test_receiver_refuses_malformed_handles(prefix):
             receiver.receive(msgspec.structs.replace(h, shape=(4, 8), nbytes=32), "cpu")
         assert shm_segments(prefix) == []  # opened, then unlinked: nobody else would
     with pytest.raises(TypeError):
-        TensorSender("default").send(np.zeros(3, np.complex64))
+        TensorSender("default", name_prefix=prefix).send(np.zeros(3, np.complex64))
 
 
 def test_default_soak_of_1000_images(peer, prefix):
@@ -723,9 +723,12 @@ def test_gpu_soak_of_1000_images(mode, peer, prefix):
         assert sum(st.sent.values()) == 1000 and st.sent["shm"] == 0
         torch.cuda.synchronize()
         peer_rss, p_alloc, p_reserved, free = peer.call("mem")
-        assert torch.cuda.memory_allocated() <= base["alloc"]
+        # slack: blocks freed while marked for another stream are counted until the allocator's next pass
+        # (1,000 leaked images would be ~300 MiB)
+        assert torch.cuda.memory_allocated() <= base["alloc"] + 16 * transport.MIB
         assert torch.cuda.memory_reserved() <= base["reserved"] + 64 * transport.MIB
-        assert p_alloc <= base["peer_alloc"] and p_reserved <= base["peer_reserved"] + 64 * transport.MIB
+        assert p_alloc <= base["peer_alloc"] + 16 * transport.MIB
+        assert p_reserved <= base["peer_reserved"] + 64 * transport.MIB
         assert free >= base["free"] - 128 * transport.MIB
         assert rss() - base["rss"] < 64 * transport.MIB and peer_rss - base["peer_rss"] < 64 * transport.MIB
     assert shm_segments(prefix) == []
