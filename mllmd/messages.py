@@ -231,9 +231,76 @@ class ControlResult(_Message):
     freed_tokens: int = 0
 
 
+# ---- tensors between the tokenizer and the scheduler (mllmd.multimodal.transport) -----------------
+class _Handle(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Where a tensor waits for its receiver; tagged, so `TensorHandle` decodes to the right one. `id` is
+    the sender's: the receiver returns it in a TransportAck once it no longer needs the sender's copy."""
+
+
+class ShmTensor(_Handle):
+    """`default` mode: the bytes in a POSIX shared-memory segment, which the receiver unlinks after its copy.
+    `name` is empty for a tensor with no elements (no segment)."""
+
+    id: int
+    name: str  # without the leading "/"
+    shape: tuple[int, ...]
+    dtype: str  # "uint8", "float32", "bfloat16", ... (mllmd.multimodal.transport.DTYPES)
+    nbytes: int
+
+
+class CudaIpcStorage(msgspec.Struct, frozen=True, array_like=True):
+    """What torch.UntypedStorage._new_shared_cuda needs to map another process's CUDA storage: the
+    tuple of the sender's storage._share_cuda_(), whose event was recorded after the sender's copy."""
+
+    device: int
+    handle: bytes  # the allocation's IPC handle
+    size_bytes: int  # the storage's size
+    offset_bytes: int  # the storage's offset in the allocation
+    ref_counter_handle: bytes  # torch's per-storage reference counter (shared memory), decremented on release
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool  # False: the sender synchronised its stream instead of recording the event
+
+
+class CudaIpcTensor(_Handle):
+    """`cuda_ipc` mode: a device tensor of the sender's, kept alive there until acknowledged."""
+
+    id: int
+    storage: CudaIpcStorage
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+class PoolTensor(_Handle):
+    """`cuda_ipc_pool` mode: bytes [offset, offset + nbytes) of the sender's workspace `pool_id`. The
+    receiver maps `pool` once per pool_id and waits on `event_handle` (recorded after the sender's copy
+    into the chunk); the chunk is reused only after the ack of `id`. `generation` names this use of the
+    chunk (a stale ack for an earlier use of the same offset frees nothing)."""
+
+    id: int
+    pool_id: int
+    pool: CudaIpcStorage
+    offset: int
+    nbytes: int
+    generation: int
+    shape: tuple[int, ...]
+    dtype: str
+    event_handle: bytes
+
+
+TensorHandle = ShmTensor | CudaIpcTensor | PoolTensor
+
+
+class TransportAck(_Message):
+    """scheduler -> tokenizer: the handles whose copies completed in the receiver (ids of TensorHandles)."""
+
+    ids: list[int]
+
+
 # ---- what each socket receives ---------------------------------------------------------------------
 MainInbox = Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
-TokenizerInbox = TokenizeRequest
+TokenizerInbox = TokenizeRequest | TransportAck
 SchedulerInbox = GenerateRequest | AbortRequest | FlushCache
 DetokenizerInbox = RegisterRequest | TokenOutputs | ResetRequests
 
