@@ -60,6 +60,18 @@ class EngineConfig:
         "waits for the next step; an image larger than this is encoded alone in its step)",
     )
     page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
+    state_slots: int | None = _f(
+        "cache", None,
+        "hybrid models (Qwen3.5): recurrent-state slots, one per running request plus the prefix cache's "
+        "snapshots (18 MiB each for Qwen3.5-0.8B/2B, 48 MiB for 4B/9B); a request waits for a free one; "
+        "null: twice scheduler.max_running_requests, fewer where memory is short",
+    )
+    state_snapshot_interval: int = _f(
+        "cache", 512,
+        "hybrid models: prefill chunks end at multiples of this many tokens, where the recurrent state "
+        "is kept for the prefix cache (a shared prefix is reused up to its last such multiple); 0: only "
+        "the state at the end of each request is kept",
+    )
     encoder_cache_mb: int = _f(
         "cache", 256,
         "memory for vision-encoder outputs kept by image content, so that an image seen again (a later "
@@ -150,6 +162,8 @@ def validate(cfg: EngineConfig) -> None:
     at_least("cuda_graph_max_bs", 1)
     at_least("max_encoder_tokens_per_step", 1)
     at_least("encoder_cache_mb", 0)
+    at_least("state_slots", 1)
+    at_least("state_snapshot_interval", 0)
     if cfg.page_size != 1:
         raise ConfigError(_key("page_size"), f"only 1 is supported; got {cfg.page_size}")
     if not 0.0 < cfg.mem_fraction_static < 1.0:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from mllmd_kernels import decode_inputs, pdl_launches
 from mllmd_kernels._triton import use_triton
 
-from mllmd.engine.attention import AttentionBackend, PagedAttentionStep
+from mllmd.engine.attention import AttentionBackend
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.model_forward import forward_logits
 
@@ -37,22 +38,23 @@ logger = logging.getLogger(__name__)
 # rows of a graph's static inputs
 # POSITIONS: each row's token index (its request-table column); ROPE: the position the model rotates it
 # by (the same, but for M-RoPE prompts with images: index + the request's delta)
-IDS, POSITIONS, LOCS, ROWS, SEQ_LENS, FILL, ROPE = range(7)
-NUM_INPUT_ROWS = 7
+IDS, POSITIONS, LOCS, ROWS, SEQ_LENS, FILL, ROPE, STATE = range(8)  # STATE: hybrid models' state slots
+NUM_INPUT_ROWS = 8
 
 
 def host_inputs(
     input_ids: list[int], positions: list[int], req_pool_indices: list[int], seq_lens: list[int], fill: list[int], size: int,
-    rope_positions: list[int] | None = None,
+    rope_positions: list[int] | None = None, state_slots: list[int] | None = None,
 ) -> list[int]:
     """A graph's [NUM_INPUT_ROWS, size] inputs, flat, for B real rows: padding rows are token 0 at
     position 0 of request row 0, one token long; every KV slot is 0 (the real ones are copied in from
     the device afterwards)."""
     pad = [0] * (size - len(input_ids))
     rope = positions if rope_positions is None else rope_positions
+    states = state_slots if state_slots is not None else [0] * len(input_ids)  # padding: the dummy slot 0
     return [
         *input_ids, *pad, *positions, *pad, *[0] * size, *req_pool_indices, *pad, *seq_lens, *[1] * len(pad),
-        *fill, *pad, *rope, *pad,
+        *fill, *pad, *rope, *pad, *states, *pad,
     ]  # fmt: skip
 
 
@@ -75,10 +77,15 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class CudaGraphRunner:
     """Captures decode for each size in `batch_sizes`; `run(batch)` replays the fitting one."""
 
-    def __init__(self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, batch_sizes: list[int]) -> None:
-        """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device)."""
+    def __init__(
+        self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, batch_sizes: list[int],
+        plan: Callable[[ForwardBatch], Any] | None = None,
+    ) -> None:  # fmt: skip
+        """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device);
+        `plan(batch)`: the step the model takes (default: the backend's attention step)."""
         self.model = model
         self.backend = backend
+        self.plan = plan or backend.plan
         self.token_buf = token_buf
         self.req_to_token = backend.req_to_token
         self.batch_sizes = sorted(set(batch_sizes))
@@ -96,7 +103,7 @@ class CudaGraphRunner:
         self.arange = torch.arange(n, dtype=i64, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.steps: dict[int, PagedAttentionStep] = {}  # each graph's attention step, as captured
+        self.steps: dict[int, Any] = {}  # each graph's model step, as captured
         self.pool: Any = None
         self._capture_all()
 
@@ -116,6 +123,7 @@ class CudaGraphRunner:
             prefix_lens_cpu=[0] * bs,
             extend_lens_cpu=[1] * bs,
             graph_size=size,
+            state_slots=s[STATE, :bs],
         )
 
     @torch.inference_mode()
@@ -131,7 +139,7 @@ class CudaGraphRunner:
     def _step(self, size: int) -> torch.Tensor:
         """What a graph runs: complete the inputs (fused), then the decode forward of all `size` rows."""
         batch = self._batch(size)
-        step = self.steps[size] = self.backend.plan(batch)
+        step = self.steps[size] = self.plan(batch)
         if self.fused_inputs:
             s = self.inputs[size]
             decode_inputs(s[IDS], s[POSITIONS], s[LOCS], s[ROWS], s[FILL], self.token_buf, self.req_to_token)
@@ -177,6 +185,7 @@ class CudaGraphRunner:
         out_cache_loc: torch.Tensor,  # [B] int64 on the device
         prefix_lens: list[int],
         rope_positions: list[int] | None = None,  # where they differ from `positions` (M-RoPE)
+        state_slots: list[int] | None = None,  # hybrid models
     ) -> ForwardBatch:
         """Write a decode step of B rows (every row samples) into the inputs of the graph that runs it:
         one host-to-device copy (padding included) and one copy of the KV slots. The returned batch's
@@ -184,7 +193,7 @@ class CudaGraphRunner:
         bs = len(input_ids)
         size = self.size_for(bs)
         assert size is not None, f"no decode graph for {bs} rows"
-        host = host_inputs(input_ids, positions, req_pool_indices, seq_lens, fill, size, rope_positions)
+        host = host_inputs(input_ids, positions, req_pool_indices, seq_lens, fill, size, rope_positions, state_slots)
         buf = self.inputs[size]
         buf.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True).view(NUM_INPUT_ROWS, size), non_blocking=True)
         buf[LOCS, :bs].copy_(out_cache_loc)
@@ -199,6 +208,7 @@ class CudaGraphRunner:
         """Logits [B, V] float32 of a staged decode batch, by graph replay."""
         size = batch.graph_size
         assert size > 0, "only a batch from stage() replays a graph"
-        self.backend.prepare_replay(self.steps[size])
+        step = self.steps[size]
+        self.backend.prepare_replay(getattr(step, "attention", step))
         self.graphs[size].replay()
         return self.logits[size][: batch.batch_size]

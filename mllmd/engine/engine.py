@@ -14,7 +14,7 @@ import torch
 from mllmd.config import EngineConfig
 from mllmd.engine.device_io import PendingFetch
 from mllmd.engine.model_runner import ModelRunner
-from mllmd.engine.prefix_cache import ChunkCache, PrefixCache, RadixCache
+from mllmd.engine.prefix_cache import ChunkCache, HybridRadixCache, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, AdmissionError, EngineImage, Req, ReqStatus
 from mllmd.engine.sampling import uses_output_penalties
 from mllmd.engine.scheduler import Scheduler
@@ -44,9 +44,12 @@ class Engine:
         self.runner = ModelRunner(config)
         self.info = self.runner.info
         alloc = self.runner.allocator
+        states = self.runner.state_pool
         cache: PrefixCache
         if config.disable_radix_cache:
             cache = ChunkCache(alloc.free, device=self.runner.device)
+        elif states is not None:  # hybrid: KV and recurrent-state snapshots
+            cache = HybridRadixCache(alloc.free, lambda slots: [states.free(s) for s in slots], device=self.runner.device)
         else:
             cache = RadixCache(alloc.free, device=self.runner.device)
         self.cache = cache
@@ -60,6 +63,8 @@ class Engine:
             prefill_wait_s=config.prefill_wait_ms / 1e3,
             encoder_tokens_per_step=config.max_encoder_tokens_per_step,
             encoder_cost=self.runner.vision.uncached_tokens if self.runner.vision is not None else None,
+            state_pool=states,
+            snapshot_interval=config.state_snapshot_interval,
         )
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
         ov = config.overlap_schedule
@@ -252,11 +257,14 @@ class Engine:
         """No request holds KV: every slot is free or owned by the prefix cache, all request slots free."""
         alloc = self.runner.allocator
         pool = self.runner.req_to_token_pool
+        states = self.runner.state_pool
+        cached_states = self.cache.num_states if isinstance(self.cache, HybridRadixCache) else 0
         return (
             not self.scheduler.has_work()
             and alloc.available_size() + self.cache.total_size() == self.runner.max_total_tokens
             and pool.available_size() == pool.size
             and self.cache.protected_size() == 0
+            and (states is None or states.available() + cached_states == states.size)
         )
 
 

@@ -29,6 +29,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
     images: ImageEmbeds | None = None  # the step's image tokens (vision-language models)
+    state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (hybrid models)
 
     @property
     def batch_size(self) -> int:

@@ -25,9 +25,11 @@ from mllmd.engine.model_forward import forward_logits
 from mllmd.engine.request import PLACEHOLDER, Req
 from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
 from mllmd.engine.scheduler import ScheduledBatch
+from mllmd.engine.state_pool import StatePool, StateStep
 from mllmd.engine.vision_runner import VisionRunner, mrope_step_positions
 from mllmd.models import get_model_class
 from mllmd.models.layers import plan_fusions
+from mllmd.models.layers.gated_deltanet import HybridStep
 from mllmd.models.loader import iter_weights
 from mllmd.models.quantization import parse_quant_config
 
@@ -151,7 +153,13 @@ class ModelRunner:
 
             self.vision = VisionRunner(self.model, VisionPreprocessConfig.from_model_dir(config.model_path),
                                        EncoderCache(config.encoder_cache_mb << 20), self.device)
-        self.max_total_tokens = self._kv_pool_size()
+        # hybrid models (Qwen3.5): the Gated DeltaNet layers' recurrent states, beside the KV pool
+        self.state_layers = list(getattr(self.model, "state_layers", []))
+        self.state_pool: StatePool | None = None
+        self.max_total_tokens, state_slots = self._memory_plan()
+        if self.state_layers:
+            conv_shape, ssm_shape = self.state_layers[0].state_shapes
+            self.state_pool = StatePool(state_slots, len(self.state_layers), conv_shape, ssm_shape, dtype, self.device)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, context_length, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         # last sampled token of each request slot, written on the device by the sampler (overlap)
@@ -166,32 +174,50 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             if self.attn_backend.supports_cuda_graph:
                 self.graph_runner = CudaGraphRunner(
-                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs())
+                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs()), self._plan
                 )
             else:
                 logger.info("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
         if self.device.type == "cuda":
             self.warm_up()
         logger.info(
-            "loaded %s (%s, %s, quantization %s) on %s: weights %.1f MB, KV pool %d tokens",
+            "loaded %s (%s, %s, quantization %s) on %s: weights %.1f MB, KV pool %d tokens%s",
             config.model_path, type(self.model).__name__, dtype, self.info.quantization or "none", self.device,
             weight_bytes / 1e6, self.max_total_tokens,
+            f", {state_slots} recurrent-state slots" if self.state_pool is not None else "",
         )
 
     _kv_budget_detail: str = ""  # the figures behind the CUDA KV budget, for the log and errors
 
-    def _kv_pool_size(self) -> int:
-        """KV tokens: the configured size, else what the memory budget leaves (see _cuda_kv_budget)."""
-        if self.config.max_total_tokens is not None:
-            return self.config.max_total_tokens
+    def state_slot_bytes(self) -> int:
+        """Bytes of one request's recurrent state (0 for models without any)."""
+        if not self.state_layers:
+            return 0
+        conv_shape, ssm_shape = self.state_layers[0].state_shapes
+        return StatePool.bytes_per_slot(len(self.state_layers), conv_shape, ssm_shape, self.info.dtype)
+
+    def _memory_plan(self) -> tuple[int, int]:
+        """(KV tokens, recurrent-state slots): the configured sizes, else what the memory budget leaves
+        (see _cuda_kv_budget). Hybrid models: by default twice max_running_requests state slots (the
+        running requests' and as many prefix-cache snapshots), at most half of the budget, at least one."""
+        cfg = self.config
+        per_state = self.state_slot_bytes()
+        states = cfg.state_slots or 0
+        if cfg.max_total_tokens is not None and (states or not per_state):
+            return cfg.max_total_tokens, states
         info = self.info
         per_token = KVPool.bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype)
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget()
             cap = None
         else:
-            budget = _mem_available_bytes() * self.config.mem_fraction_static - info.weight_bytes
-            cap = self.config.cpu_kv_cache_max_tokens
+            budget = _mem_available_bytes() * cfg.mem_fraction_static - info.weight_bytes
+            cap = cfg.cpu_kv_cache_max_tokens
+        if per_state and not states:
+            states = max(1, min(2 * cfg.max_running_requests, int(budget * 0.5 // per_state)))
+        if cfg.max_total_tokens is not None:
+            return cfg.max_total_tokens, states
+        budget -= states * per_state
         tokens = int(budget // per_token)
         if cap is not None:
             tokens = min(tokens, cap)
@@ -201,7 +227,7 @@ class ModelRunner:
                 f"activations of the largest step: budget {budget / 1e6:.0f} MB; lower scheduler.max_prefill_tokens "
                 f"or raise runtime.mem_fraction_static" + (f" ({self._kv_budget_detail})" if self._kv_budget_detail else "")
             )
-        return tokens
+        return tokens, states
 
     def _cuda_kv_budget(self) -> float:
         """Bytes for the KV pool on CUDA, from a profile of the largest step.
@@ -249,8 +275,17 @@ class ModelRunner:
     def _graph_max_bs(self) -> int:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
 
-    def _scratch_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> tuple[ForwardBatch, AttentionBackend]:
-        """A batch over a private KV pool and request table (random tokens), with a backend over them:
+    def _plan(self, batch: ForwardBatch, backend: AttentionBackend | None = None, states: StatePool | None = None) -> Any:
+        """The step the model takes: the attention step, and for hybrid models the state pools' view."""
+        attn = (backend or self.attn_backend).plan(batch)
+        pool = states or self.state_pool
+        if pool is None:
+            return attn
+        assert batch.state_slots is not None
+        return HybridStep(attn, StateStep(pool, batch.is_decode, batch.state_slots, batch.extend_lens))
+
+    def _scratch_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> tuple[ForwardBatch, Any]:
+        """A batch over a private KV pool, request table (and state pool) with random tokens, and its step:
         for profiling and warm-up. Row i extends prefix_lens[i] cached tokens by extend_lens[i] new
         ones; every row samples."""
         dev, info = self.device, self.info
@@ -281,21 +316,26 @@ class ModelRunner:
             prefix_lens_cpu=list(prefix_lens),
             extend_lens_cpu=list(extend_lens),
         )
-        return batch, self._attention_backend(pool, table.req_to_token)
+        states = None
+        if self.state_layers:
+            conv_shape, ssm_shape = self.state_layers[0].state_shapes
+            states = StatePool(len(seq), len(self.state_layers), conv_shape, ssm_shape, info.dtype, dev)
+            batch.state_slots = torch.arange(1, len(seq) + 1, dtype=torch.int64, device=dev)
+        return batch, self._plan(batch, self._attention_backend(pool, table.req_to_token), states)
 
     @torch.inference_mode()
     def profile_step_bytes(self) -> int:
         """Peak bytes a forward of the largest step allocates beyond the weights (CUDA only)."""
         dev = self.device
         n = max(1, min(self.config.max_prefill_tokens, self.info.context_length))
-        batch, backend = self._scratch_batch([0], [n])
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
-        forward_logits(self.model, batch, backend.plan(batch))
+        batch, step = self._scratch_batch([0], [n])
+        forward_logits(self.model, batch, step)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base
-        del batch, backend
+        del batch, step
         torch.cuda.empty_cache()
         return int(peak)
 
@@ -313,8 +353,7 @@ class ModelRunner:
         if cap >= 40:
             shapes.append(([7, 0, 30], [1, 5, 33]))  # decodes beside prefill chunks, one with a prefix
         for prefix, extend in shapes:
-            batch, backend = self._scratch_batch(prefix, extend)
-            forward_logits(self.model, batch, backend.plan(batch))
+            forward_logits(self.model, *self._scratch_batch(prefix, extend))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -355,12 +394,16 @@ class ModelRunner:
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
             rope = positions if self.vision is not None else None
-            return gr.stage(ids, columns, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens), rope)
+            states = [r.state_slot or 0 for r in sched.reqs] if self.state_pool is not None else None
+            return gr.stage(ids, columns, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens), rope,
+                            states)
         # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,
         # table columns: one copy; a token's request-table entry is (its request row, its index)
         token_rows = [r for r, n in zip(rows, sched.extend_lens) for _ in range(n)]
         images = None
         staged = [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows]
+        if self.state_pool is not None:
+            staged.append([r.state_slot or 0 for r in sched.reqs])
         if self.vision is not None:  # positions may differ from the columns (M-RoPE)
             axes = mrope_step_positions(sched.reqs, sched.prefix_lens, sched.extend_lens)
             if axes is not None:
@@ -383,6 +426,7 @@ class ModelRunner:
             prefix_lens_cpu=list(sched.prefix_lens),
             extend_lens_cpu=list(sched.extend_lens),
             images=images,
+            state_slots=parts[9] if self.state_pool is not None else None,
         )
         return batch
 
@@ -422,4 +466,4 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_eager(self, batch: ForwardBatch) -> torch.Tensor:
         """forward() without graphs: the step's attention planned, then the model."""
-        return forward_logits(self.model, batch, self.attn_backend.plan(batch))
+        return forward_logits(self.model, batch, self._plan(batch))

@@ -79,6 +79,11 @@ class Req:
     # at n + mrope_delta on every axis
     mrope_positions: Any = None
     mrope_delta: int = 0
+    # hybrid models: the state-pool slot holding this request's recurrent state after its kv_len
+    # tokens, and the snapshots it took at aligned positions while prefilling ((length, slot), kept
+    # for the prefix cache when the request releases its KV)
+    state_slot: int | None = None
+    snapshots: list[tuple[int, int]] = field(default_factory=list)
     _key_prompt: list[int] | None = None
 
     def __post_init__(self) -> None:

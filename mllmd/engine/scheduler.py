@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from mllmd.engine.prefix_cache import PrefixCache
+from mllmd.engine.prefix_cache import HybridRadixCache, PrefixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
+from mllmd.engine.state_pool import StatePool
 
 
 @dataclass
@@ -57,10 +58,16 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         encoder_tokens_per_step: int = 0,
         encoder_cost: Callable[[EngineImage], int] | None = None,
+        state_pool: StatePool | None = None,
+        snapshot_interval: int = 0,
     ) -> None:
         """`encoder_cost(image)`: the vision-encoder tokens computing any of the image's rows costs now (0
         once its output is cached); a step's prefill chunks may need at most `encoder_tokens_per_step`
-        of them (an image larger than that is encoded alone in its step)."""
+        of them (an image larger than that is encoded alone in its step).
+
+        Hybrid models: every admitted request takes a slot of `state_pool` for its recurrent state
+        (none free: it waits), zeroed or copied from the prefix match's snapshot; prefill chunks end at
+        multiples of `snapshot_interval`, where the state is snapshotted for the prefix cache."""
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.cache = cache
@@ -71,6 +78,8 @@ class Scheduler:
         self.clock = clock
         self.encoder_tokens_per_step = encoder_tokens_per_step
         self.encoder_cost = encoder_cost
+        self.state_pool = state_pool
+        self.snapshot_interval = snapshot_interval if state_pool is not None else 0
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -110,7 +119,19 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         value = self._kv_slots(req)
-        n = self.cache.insert(req.cache_key(req.kv_len), value)
+        key = req.cache_key(req.kv_len)
+        if isinstance(self.cache, HybridRadixCache):
+            states = list(req.snapshots)
+            if req.state_slot is not None and req.kv_len > 0:
+                states.append((req.kv_len, req.state_slot))
+            elif req.state_slot is not None:
+                self._free_states([req.state_slot])
+            n, surplus = self.cache.insert_with_states(key, value, states)
+            self._free_states(surplus)
+        else:
+            n = self.cache.insert(key, value)
+            self._free_states([s for _, s in req.snapshots] + ([req.state_slot] if req.state_slot is not None else []))
+        req.state_slot, req.snapshots = None, []
         self.allocator.free(value[req.prefix_len : n])
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
@@ -125,12 +146,39 @@ class Scheduler:
         self.stats.preemptions += 1
         self.waiting.appendleft(req)
 
+    def _free_states(self, slots: list[int]) -> None:
+        if self.state_pool is not None:
+            for slot in slots:
+                self.state_pool.free(slot)
+
+    def _alloc_state(self) -> int | None:
+        """A free state slot, giving up the prefix cache's least recently used snapshot if need be."""
+        assert self.state_pool is not None
+        slot = self.state_pool.alloc()
+        if slot is None and isinstance(self.cache, HybridRadixCache) and self.cache.evict_states(1):
+            slot = self.state_pool.alloc()
+        return slot
+
     def _admit(self, req: Req) -> bool:
-        """Give a waiting request a request slot and its cached prefix; False if no slot is free."""
+        """Give a waiting request a request slot (and a state slot), and its cached prefix; False if no
+        slot is free."""
         idx = self.req_to_token_pool.alloc()
         if idx is None:
             return False
+        state = None
+        if self.state_pool is not None:
+            state = self._alloc_state()
+            if state is None:
+                self.req_to_token_pool.free(idx)
+                return False
         match = self.cache.match_prefix(req.cache_key(len(req.token_ids) - 1))
+        if self.state_pool is not None:
+            assert state is not None
+            if match.state is not None:  # the matched snapshot, read before anything can reuse its slot
+                self.state_pool.copy(match.state, state)
+            else:
+                self.state_pool.zero(state)
+            req.state_slot = state
         n = int(match.indices.numel())
         self.cache.inc_lock_ref(match.last_node)
         self.req_to_token_pool.req_to_token[idx, :n] = match.indices
@@ -167,7 +215,7 @@ class Scheduler:
             if req.num_output >= req.params.max_tokens:
                 n = 0  # its last token is still on its way (overlap): it finishes by length then
             elif n > 1:
-                n = self._fit_encoder(req, n)
+                n = self._fit_encoder(req, self._align(req, n))
             if n <= 0:
                 i += 1
                 continue
@@ -201,7 +249,7 @@ class Scheduler:
                 break
             if self.chunk_size is None:
                 n = remaining  # a lone unchunked prompt may exceed the budget
-            n = self._fit_encoder(req, n)
+            n = self._fit_encoder(req, self._align(req, n))
             if n <= 0:
                 self.release(req)  # its images wait for the next step's encoder budget
                 break
@@ -285,13 +333,27 @@ class Scheduler:
             self._encoder_left -= cost
         return n
 
+    def _align(self, req: Req, n: int) -> int:
+        """A hybrid model's prefill chunk ends at the next multiple of the snapshot interval it crosses."""
+        if not self.snapshot_interval or n <= 1:
+            return n
+        boundary = (req.kv_len // self.snapshot_interval + 1) * self.snapshot_interval
+        return min(n, boundary - req.kv_len)
+
     def _chunk_cap(self, budget: int) -> int:
         return budget if self.chunk_size is None else min(budget, self.chunk_size)
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's KV has been written."""
+        """Record that the batch's KV has been written (and, hybrid models, snapshot the states of
+        prefills that stopped at an aligned position, enqueued after the step's forward)."""
         for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             req.kv_len = p + n
+            if self.snapshot_interval and req.kv_len % self.snapshot_interval == 0 and req.kv_len < len(req.token_ids) - 1:
+                assert self.state_pool is not None and req.state_slot is not None
+                slot = self._alloc_state()
+                if slot is not None:
+                    self.state_pool.copy(req.state_slot, slot)
+                    req.snapshots.append((req.kv_len, slot))
 
     def finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration")
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3ForCausalLM", "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM",
+)
 
 
 def get_model_class(architectures: list[str] | None) -> Any:
@@ -14,6 +16,10 @@ def get_model_class(architectures: list[str] | None) -> Any:
             from mllmd.models.qwen3 import Qwen3ForCausalLM
 
             return Qwen3ForCausalLM
+        if arch in ("Qwen3_5ForConditionalGeneration", "Qwen3_5ForCausalLM"):
+            from mllmd.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+            return Qwen3_5ForConditionalGeneration
         if arch == "Qwen3VLForConditionalGeneration":
             from mllmd.models.qwen3_vl import Qwen3VLForConditionalGeneration
 

@@ -57,6 +57,7 @@ class MatchResult:
 
     indices: torch.Tensor  # [n] int64 slot indices of the matched prefix (empty when n == 0)
     last_node: Any  # node to lock with inc_lock_ref/dec_lock_ref; the root when n == 0
+    state: int | None = None  # hybrid models: the state-pool slot with the state after the prefix
 
 
 class PrefixCache(ABC):

@@ -62,8 +62,8 @@ class RotaryAttention(nn.Module):
         head_dim: int,
         kv_layer: int,
         dtype: torch.dtype,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
+        q_norm: nn.Module | None = None,
+        k_norm: nn.Module | None = None,
         rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
@@ -71,6 +71,8 @@ class RotaryAttention(nn.Module):
         self.kv_layer = kv_layer
         self.dtype = dtype  # what the rope kernel returns (and the KV pool must hold for it to store K/V)
         self.rotary_dim = rotary_dim or head_dim
+        # the rope kernel rotates whole heads and applies RMSNorm's numerics to q and k
+        self.fusable_rope = self.rotary_dim == head_dim and all(isinstance(n, (RMSNorm, type(None))) for n in (q_norm, k_norm))
         self.scale = head_dim**-0.5
         self._norms = (q_norm, k_norm)  # a tuple: not submodules of this one
         # Set by the fusion plan: the rope kernel stores K/V itself; attention writes max|out| partials.
@@ -86,7 +88,7 @@ class RotaryAttention(nn.Module):
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         layer = self.kv_layer
-        if self.rotary_dim == self.head_dim and fused_kernels(q):  # QK-norm and RoPE in one Triton launch
+        if self.fusable_rope and fused_kernels(q):  # QK-norm and RoPE in one Triton launch
             cos, sin, index = rope_table
             qw = q_norm.weight if q_norm is not None else None
             kw = k_norm.weight if k_norm is not None else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from mllmd_kernels import rmsnorm, rmsnorm_int8
+from mllmd_kernels import rmsnorm, rmsnorm_int8, rmsnorm_zero_centred, rmsnorm_zero_centred_ref
 from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
@@ -62,3 +62,20 @@ class RMSNorm(nn.Module):
         if residual is None:
             return Int8Rows(out[0], out[1], x.dtype)
         return Int8Rows(out[0], out[1], x.dtype), out[2]
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: the weight stored as an offset from 1, applied as (1 + w) in float32 with one
+    rounding (its own kernel: mllmd_kernels.rmsnorm_zero_centred). Never fused into a projection's
+    launch (the fusing kernels implement RMSNorm's rounding)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if fused_kernels(x):
+            return rmsnorm_zero_centred(x, self.weight, self.eps, residual)
+        return rmsnorm_zero_centred_ref(x, self.weight, self.eps, residual)

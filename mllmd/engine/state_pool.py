@@ -1,0 +1,72 @@
+"""The recurrent-state pools of hybrid models (Qwen3.5's Gated DeltaNet layers), beside the KV pool.
+
+One slot holds a request's state in every DeltaNet layer: the conv state [conv_dim, K - 1] (model
+dtype) and the recurrent state [Hv, Dk, Dv] (float32), 18 MiB a slot for Qwen3.5-0.8B/2B and 48 MiB
+for 4B/9B. Each pool is one tensor [layers, slots, ...], so that copying a slot (a prefix-cache
+snapshot in or out) is one launch per pool whatever the number of layers. Slot 0 is the dummy that
+padded CUDA-graph rows read and write; it is never handed out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class StatePool:
+    def __init__(
+        self, num_slots: int, num_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:  # fmt: skip
+        """`num_slots` usable slots (plus the dummy)."""
+        self.size = num_slots
+        self.conv = torch.zeros((num_layers, num_slots + 1, *conv_shape), dtype=dtype, device=device)
+        self.ssm = torch.zeros((num_layers, num_slots + 1, *ssm_shape), dtype=torch.float32, device=device)
+        self._free = list(range(num_slots, 0, -1))
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, conv_shape: tuple[int, int], ssm_shape: tuple[int, int, int],
+                       dtype: torch.dtype) -> int:  # fmt: skip
+        elem = torch.empty((), dtype=dtype).element_size()
+        conv = conv_shape[0] * conv_shape[1] * elem
+        ssm = ssm_shape[0] * ssm_shape[1] * ssm_shape[2] * 4
+        return num_layers * (conv + ssm)
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, slot: int) -> None:
+        assert 0 < slot <= self.size and slot not in self._free, f"freeing state slot {slot} twice"
+        self._free.append(slot)
+
+    def copy(self, src: int | torch.Tensor, dst: int | torch.Tensor) -> None:
+        """Slot(s) dst := src in every layer (ints, or int64 device tensors; stream-ordered, no sync)."""
+        self.conv[:, dst] = self.conv[:, src]
+        self.ssm[:, dst] = self.ssm[:, src]
+
+    def zero(self, slots: int | torch.Tensor) -> None:
+        self.conv[:, slots] = 0
+        self.ssm[:, slots] = 0
+
+
+class StateStep:
+    """One step's view of the pools (mllmd.models.layers.gated_deltanet.RecurrentStep)."""
+
+    __slots__ = ("pool", "decode", "slots", "has_initial_state", "cu_seqlens")
+
+    def __init__(self, pool: StatePool, decode: bool, slots: torch.Tensor, extend_lens: torch.Tensor) -> None:
+        self.pool, self.decode, self.slots = pool, decode, slots
+        # every slot holds its request's state (zeroed or copied in at admission): always read it
+        self.has_initial_state = torch.ones_like(slots, dtype=torch.bool)
+        if decode:
+            self.cu_seqlens = slots  # unused by the recurrent kernels
+        else:
+            self.cu_seqlens = torch.nn.functional.pad(torch.cumsum(extend_lens, 0, dtype=torch.int32), (1, 0))
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        return self.pool.conv[layer]
+
+    def ssm_state(self, layer: int) -> torch.Tensor:
+        return self.pool.ssm[layer]

@@ -1,0 +1,150 @@
+"""Qwen3.5 (hybrid Gated DeltaNet + gated attention) through the engine: greedy tokens equal transformers'.
+
+A tiny random Qwen3.5 from the real 0.8B config (4 layers: 3 DeltaNet + 1 full attention; value heads
+twice the key heads), its decays re-drawn for long memory (A in U(0.001, 0.05): with the default init
+most heads forget within a token, and a lost state would go unnoticed). Every case compares 64 greedy
+tokens with transformers' Qwen3_5ForConditionalGeneration (fp32, CPU): chunked prefill at several chunk
+sizes, new and continuing requests in one batch, preemption and a small state pool, prefix-cache hits
+before / at / after a snapshot boundary and one leaving a single token to prefill, and an image prompt.
+One test shows the suite's power: zeroing the state at a chunk boundary makes it fail.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mllmd import LLM, SamplingParams
+from mllmd.testing import checkpoints as ck
+
+NEW = 64
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = ck.build_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "Qwen3.5-0.8B", num_hidden_layers=4,
+                                   head_dim=32, seed=5)
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert text["linear_num_value_heads"] > text["linear_num_key_heads"]
+    g = torch.Generator().manual_seed(11)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(str(path))
+        for name in tensors:
+            if name.endswith("linear_attn.A_log"):  # long memory: exp(A) in [0.001, 0.05]
+                a = torch.empty(tensors[name].shape).uniform_(0.001, 0.05, generator=g)
+                tensors[name] = a.log().to(tensors[name].dtype)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf(model: Path) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, 150000, (n,), generator=g).tolist()
+
+
+def hf_greedy(hf: Any, ids: list[int], **extra: Any) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **extra)
+    return out[0, len(ids):].tolist()
+
+
+LONG = prompt(1, 230)
+
+
+@pytest.fixture(scope="module")
+def want_long(hf: Any) -> list[int]:
+    return hf_greedy(hf, LONG)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 63, 64, 65, 200])
+def test_chunked_prefill_carries_the_state(model: Path, want_long: list[int], chunk: int) -> None:
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=chunk, disable_radix_cache=True)
+    assert llm.generate([LONG], GREEDY)[0].token_ids == want_long
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_new_and_continuing_requests_in_one_batch(model: Path, hf: Any) -> None:
+    """Prompts of different lengths prefilled in chunks of 37 beside each other's decodes; then a small
+    KV pool (preemptions, recomputed from the last snapshot) and a small state pool (requests wait)."""
+    prompts = [prompt(2, 90), prompt(3, 17), prompt(4, 140), prompt(5, 5)]
+    wants = [hf_greedy(hf, p) for p in prompts]
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=37)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == wants
+    tight = LLM(str(model), dtype="float32", chunked_prefill_size=37, max_total_tokens=300, state_slots=3,
+                state_snapshot_interval=32)
+    assert [o.token_ids for o in tight.generate(prompts, GREEDY)] == wants
+    assert tight.engine.scheduler.stats.preemptions > 0, "the KV pool was meant to force preemptions"
+    assert tight.engine.is_idle_and_clean()
+
+
+def test_prefix_hits_around_snapshot_boundaries(model: Path, hf: Any) -> None:
+    """Snapshots every 64 tokens: a second request sharing 50 (before the first boundary), 64 (at it),
+    100 (after it) prompt tokens with the first reuses 0, 64, 64 of them; one that extends the first
+    request's whole sequence by a token prefills that token only. Every output equals its cold run."""
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=0, state_snapshot_interval=64)
+    base = prompt(6, 150)
+    first = llm.generate([base], GREEDY)[0]
+    assert first.token_ids == hf_greedy(hf, base)
+    for shared, reused in ((50, 0), (64, 64), (100, 64)):
+        p = base[:shared] + prompt(7 + shared, 30)
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_tokens == reused, (shared, out.cached_tokens)
+        assert out.token_ids == hf_greedy(hf, p), shared
+    extended = base + first.token_ids  # the first request's sequence: its final state is cached
+    out = llm.generate([extended], GREEDY)[0]
+    assert out.cached_tokens == len(extended) - 1
+    assert out.token_ids == hf_greedy(hf, extended)
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_zeroing_the_state_at_a_chunk_boundary_is_caught(model: Path, want_long: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite's power: a scheduler that loses the recurrent state when a prefill chunk ends (zeroes the
+    request's slot) gives other tokens than transformers."""
+    from mllmd.engine.scheduler import Scheduler
+
+    real = Scheduler.commit
+
+    def lossy(self: Scheduler, batch: Any) -> None:
+        real(self, batch)
+        for req in batch.reqs:
+            if req.kv_len == 64 and req.state_slot is not None:
+                self.state_pool.zero(req.state_slot)  # type: ignore[union-attr]
+
+    monkeypatch.setattr(Scheduler, "commit", lossy)
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=64, disable_radix_cache=True)
+    assert llm.generate([LONG], GREEDY)[0].token_ids != want_long
+
+
+def test_image_prompt(model: Path, hf: Any) -> None:
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoImageProcessor
+
+    from tests.multimodal.test_vl_engine import messages_for, text
+
+    rng = np.random.default_rng(3)
+    img = Image.fromarray(rng.integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=41)
+    messages = messages_for([text("What is in"), "A", text("this picture?")], [img])
+    got = llm.chat(messages, GREEDY, chat_template_kwargs={"enable_thinking": False})[0]
+    ids = got.prompt_token_ids
+    pix = AutoImageProcessor.from_pretrained(model)(images=[img], return_tensors="pt")
+    pad = llm.engine.info.image_token_id
+    want = hf_greedy(hf, ids, pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"],
+                     mm_token_type_ids=(torch.tensor([ids]) == pad).long())
+    assert got.token_ids == want
