@@ -6,27 +6,39 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from mllmd_kernels import HAS_TRITON, interpreting, triton_available
 
 from mllmd import LLM, SamplingParams
 from mllmd.engine.attention import create_attention_backend
+from mllmd.engine.memory import KVPool
 from tests.engine.test_parity import NEW_TOKENS, _tokenize, hf_greedy
 
 GPU = triton_available() and not interpreting()
 CHUNK7 = {"chunked_prefill_size": 7, "max_prefill_tokens": 16}
 
 
+def _pool(device: str) -> tuple[KVPool, torch.Tensor]:
+    pool = KVPool(
+        num_layers=1, num_kv_heads=1, head_dim=8, size=4, dtype=torch.float32, device=torch.device(device)
+    )
+    return pool, torch.zeros(2, 4, dtype=torch.int32, device=device)
+
+
 def test_backend_factory() -> None:
-    assert type(create_attention_backend("auto", "cpu")).__name__ == "TorchAttentionBackend"
+    pool, table = _pool("cpu")
+    assert type(create_attention_backend("auto", "cpu", pool, table)).__name__ == "TorchAttentionBackend"
     if not interpreting():
         with pytest.raises(ValueError, match="attention_backend"):
-            create_attention_backend("triton", "cpu")
+            create_attention_backend("triton", "cpu", pool, table)
     with pytest.raises(ValueError, match="attention_backend"):
-        create_attention_backend("nope", "cpu")
+        create_attention_backend("nope", "cpu", pool, table)
     with pytest.raises(ValueError, match="attention_backend: 'flashinfer' needs a CUDA device"):
-        create_attention_backend("flashinfer", "cpu")
+        create_attention_backend("flashinfer", "cpu", pool, table)
     if GPU:
-        assert type(create_attention_backend("auto", "cuda")).__name__ == "TritonAttentionBackend"
+        pool, table = _pool("cuda")
+        backend = create_attention_backend("auto", "cuda", pool, table)
+        assert type(backend).__name__ == "TritonAttentionBackend"
 
 
 @pytest.mark.gpu

