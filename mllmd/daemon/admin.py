@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -9,18 +10,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mllmd.daemon.http_common import bearer_matches, error_response, from_unix_socket, read_body
 from mllmd.daemon.models import ModelError, find_models
-from mllmd.openai.errors import APIError, bad_request, payload_too_large, unauthorized
-from mllmd.openai.protocol import decode_json
+from mllmd.daemon.ratelimit import RateLimitedLog
+from mllmd.openai.errors import APIError, bad_request, internal_error, unauthorized
+from mllmd.openai.limits import decode_json
 
 if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
 
-
-def from_unix_socket(request: Request) -> bool:
-    """uvicorn reports a Unix-socket listener as server (path, None)."""
-    server = request.scope.get("server")
-    return bool(server) and server[1] is None
+_errors = RateLimitedLog(logging.getLogger("mllmd.admin"))
 
 
 class AdminApi:
@@ -28,8 +27,6 @@ class AdminApi:
         self.d = daemon
 
     def _authorise(self, request: Request) -> None:
-        from mllmd.daemon.http_app import bearer_matches
-
         if from_unix_socket(request):
             return  # the socket's mode (0660, group mllmd) is the access control
         key = self.d.config.admin_api_key
@@ -40,12 +37,11 @@ class AdminApi:
             raise unauthorized("Missing or invalid admin key: send 'Authorization: Bearer <admin key>'.")
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > self.d.config.server.max_request_bytes:
-            raise payload_too_large()
+        srv = self.d.config.server
+        raw = await read_body(request, srv.max_request_bytes, srv.body_timeout)
         if not raw.strip():
             return {}
-        body = decode_json(raw)  # the API's rules: UTF-8, no NaN / Infinity, bounded nesting
+        body = decode_json(raw, self.d.limits)  # the API's rules: UTF-8, no NaN / Infinity, bounded nesting
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body
@@ -93,7 +89,10 @@ def admin_routes(daemon: Daemon) -> list[Route]:
                 api._authorise(request)
                 return await handler(request)
             except APIError as e:
-                return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
+                return error_response(e)
+            except Exception:  # a bug: logged (rate-limited), answered in the API's error shape
+                _errors.exception(f"admin:{request.url.path}", "%s %s failed", request.method, request.url.path)
+                return error_response(internal_error())
 
         return endpoint
 

@@ -37,6 +37,7 @@ from mllmd.daemon.models import (
 from mllmd.daemon.supervisor import WorkerPolicy
 from mllmd.messages import ControlResult, EngineStats, FlushCache, RequestFailed, TextOutputs
 from mllmd.openai.errors import APIError, bad_request, service_unavailable
+from mllmd.openai.limits import Limits
 from mllmd.telemetry.collector import TelemetryCollector
 from mllmd.workers import ipc
 
@@ -47,6 +48,7 @@ LIVE_KEYS = (
     "server.api_key", "server.api_key_file", "server.admin_api_key", "server.max_queued_requests",
     "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
     "server.media_dirs", "server.metrics_require_key", "model.models_dir", "logging.level",
+    "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
 )
 
 
@@ -135,14 +137,33 @@ class Daemon:
             return "degraded"
         return "ready" if self.active.ready else "loading"
 
-    def not_ready_reason(self) -> str | None:
+    @property
+    def limits(self) -> Limits:
+        """The request bounds that are configurable (server.max_json_depth, server.max_stop_length)."""
+        srv = self.config.server
+        return Limits(srv.max_json_depth, srv.max_stop_length)
+
+    def slots(self) -> list[ModelSlot]:
+        """Every slot that may hold requests: the active one, a loading one, retiring ones."""
+        return [s for s in (self.active, self.pending, *self.retiring) if s is not None]
+
+    def not_ready_reason(self, detail: bool = False) -> str | None:
+        """Why requests are refused now; None when ready. Without `detail` (what API clients and an
+        unauthenticated /health see): no paths, no load errors, no worker errors (those are in
+        /admin/status)."""
         state = self.state
         if state == "ready":
             return None
         if state == "idle":
-            return "no model is loaded" + (f" (last load failed: {self.load_error})" if self.load_error else "")
+            if not self.load_error:
+                return "no model is loaded"
+            return f"no model is loaded (last load failed: {self.load_error})" if detail else (
+                "no model is loaded (the last load failed; see mllmctl status)")
         if state == "degraded":
-            return f"degraded: {self.active.supervisor.degraded_reason}"  # type: ignore[union-attr]
+            sup = self.active.supervisor  # type: ignore[union-attr]
+            if detail:
+                return f"degraded: {sup.degraded_reason}"
+            return f"degraded: the {sup.degraded_worker} worker keeps failing (see mllmctl status)"
         if state == "draining":
             return "the server is draining: it accepts no new requests"
         return "the model is loading or a worker is restarting"
@@ -396,7 +417,7 @@ class Daemon:
         snap = self.telemetry.latest().to_dict()
         return {
             "state": self.state,
-            "reason": self.not_ready_reason(),
+            "reason": self.not_ready_reason(detail=True),
             "model": slot.describe() if slot is not None else None,
             "load": {
                 "in_progress": pend is not None,

@@ -77,6 +77,7 @@ class Supervisor:
         os.chmod(self.settings_path, 0o600)
         self.workers = {name: WorkerHandle(name) for name in ipc.WORKERS}
         self.degraded_reason: str | None = None
+        self.degraded_worker: str | None = None  # the worker that gave up (named in public reasons)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start_all(self) -> None:
@@ -161,6 +162,7 @@ class Supervisor:
             self.degraded_reason = (
                 f"{reason}; {len(h.restart_times)} restarts within {self.policy.restart_window:.0f} s, giving up"
             )
+            self.degraded_worker = h.name
             logger.error("degraded: %s", self.degraded_reason)
         self.on_worker_lost(h.name, reason)
 
