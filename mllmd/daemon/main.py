@@ -25,6 +25,7 @@ import zmq.asyncio
 from mllmd import __version__, knobs
 from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
+from mllmd.daemon.http_server import ConnectionGuard, connection_caps, protocol_class, raise_nofile_limit
 from mllmd.daemon.metrics import Metrics
 from mllmd.daemon.model_slot import ModelSlot
 from mllmd.daemon.models import (
@@ -34,6 +35,7 @@ from mllmd.daemon.models import (
     inspect_model,
     resolve_in_models_dirs,
 )
+from mllmd.daemon.ratelimit import RateLimitedLog, RateLimitFilter
 from mllmd.daemon.supervisor import WorkerPolicy
 from mllmd.messages import ControlResult, EngineStats, FlushCache, RequestFailed, TextOutputs
 from mllmd.openai.errors import APIError, bad_request, service_unavailable
@@ -42,6 +44,7 @@ from mllmd.telemetry.collector import TelemetryCollector
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd")
+_errors = RateLimitedLog(logger)
 STATE_FILE = "active-model.json"
 # Keys a reload (SIGHUP, POST /admin/reload) applies at once; the others need a restart or a model load.
 LIVE_KEYS = (
@@ -65,12 +68,34 @@ class Notifier:
             self._n.notify(line)
 
 
-def _unix_listener(path: str) -> socket.socket:
+def _socket_answers(path: str) -> bool:
+    """Something accepts connections on the Unix socket `path` (a live daemon, not a stale file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False  # stale: nobody listens (a daemon that was killed)
+    except OSError:
+        return True  # EAGAIN (a full backlog), EACCES, a timeout: someone is there, or we cannot tell
+    else:
+        return True
+    finally:
+        probe.close()
+
+
+def _unix_listener(path: str, backlog: int = 512) -> tuple[socket.socket, tuple[int, int]]:
+    """Bind the Unix socket; a stale socket file is replaced, a live one (another daemon answers on it)
+    is an error. Returns the socket and the (device, inode) of its file, so that only our own file is
+    removed at exit."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise RuntimeError(f"server.unix_socket: {path} exists and is not a socket")
+        if _socket_answers(path):
+            raise RuntimeError(f"server.unix_socket: another daemon is listening on {path}; stop it first "
+                               "(or give this one another server.unix_socket)")
         p.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)
@@ -79,12 +104,24 @@ def _unix_listener(path: str) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, 0o660)
-    sock.listen(512)
+    sock.listen(backlog)
     sock.setblocking(False)
-    return sock
+    st = os.stat(path)
+    return sock, (st.st_dev, st.st_ino)
 
 
-def _tcp_listener(host: str, port: int) -> socket.socket:
+def _remove_own_socket(path: str, ident: tuple[int, int] | None) -> None:
+    """Unlink the Unix socket file if it is still the one we bound (another daemon may have replaced it)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if ident is not None and (st.st_dev, st.st_ino) == ident:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _tcp_listener(host: str, port: int, backlog: int = 512) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP (not 0): asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP,
     # and accepted sockets copy the listener's proto. With Nagle on, a small SSE write waits for the ACK of
@@ -93,7 +130,7 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(512)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -121,6 +158,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._controls: dict[str, asyncio.Future[ControlResult]] = {}
         self.retiring: set[ModelSlot] = set()  # slots finishing their requests before they stop
+        self.connections: ConnectionGuard | None = None  # set by serve()
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -244,7 +282,7 @@ class Daemon:
         engine = self._engine_for(path, overrides)
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
-                         self._on_slot_message, self._on_worker_lost)
+                         self._on_slot_message, self._on_worker_lost, self.config.model.chat_template)
         slot.overrides = overrides  # type: ignore[attr-defined]
         self.pending, self.load_error, self.draining = slot, None, False
         slot.start()
@@ -378,24 +416,33 @@ class Daemon:
 
     # ---- loops -------------------------------------------------------------------------------
     async def _supervise_loop(self) -> None:
-        last_state = None
+        """Watch the workers and the state, every 0.1 s, for as long as the daemon runs: an exception in
+        one round (the machine out of file descriptors, a bug) is logged, rate-limited, and the next
+        round tries again; the loop itself never ends."""
+        last_state: list[str | None] = [None]
         while True:
-            if not self.stopping:
-                if self.pending is not None:
-                    self.pending.supervisor.check()
-                    self._watch_pending()
-                if self.active is not None:
-                    self.active.supervisor.check()
-            state = self.state
-            if state != last_state:
-                logger.info("state: %s", state)
-                self.metrics.set_up(state == "ready")
-                if state in ("ready", "idle") and not self._announced_ready and self.pending is None:
-                    self.notifier.send("READY=1")
-                    self._announced_ready = True
-                self.notifier.send(f"STATUS={state}" + (f" ({self.served_model_name})" if self.served_model_name else ""))
-                last_state = state
+            try:
+                self._supervise_once(last_state)
+            except Exception:
+                _errors.exception("supervise", "the supervisor's round failed; retrying")
             await asyncio.sleep(0.1)
+
+    def _supervise_once(self, last_state: list[str | None]) -> None:
+        if not self.stopping:
+            if self.pending is not None:
+                self.pending.supervisor.check()
+                self._watch_pending()
+            if self.active is not None:
+                self.active.supervisor.check()
+        state = self.state
+        if state != last_state[0]:
+            logger.info("state: %s", state)
+            self.metrics.set_up(state == "ready")
+            if state in ("ready", "idle") and not self._announced_ready and self.pending is None:
+                self.notifier.send("READY=1")
+                self._announced_ready = True
+            self.notifier.send(f"STATUS={state}" + (f" ({self.served_model_name})" if self.served_model_name else ""))
+            last_state[0] = state
 
     async def _watchdog_loop(self) -> None:
         usec = knobs.watchdog_usec()
@@ -431,13 +478,18 @@ class Daemon:
             "workers": slot.supervisor.status() if slot is not None else [],
             "requests": {"running": stats.running if stats is not None else 0,
                          "waiting": stats.waiting if stats is not None else 0,
-                         "in_flight": slot.rm.num_in_flight if slot is not None else 0},
+                         "in_flight": slot.rm.num_in_flight if slot is not None else 0,
+                         # what main keeps per request (all 0 when idle: nothing may accumulate)
+                         "tracked": {"requests": sum(s.rm.num_in_flight for s in self.slots()),
+                                     "groups": sum(s.rm.num_groups for s in self.slots()),
+                                     "metrics": self.metrics.num_tracked}},
             "kv_cache": {"total_tokens": total, "free_tokens": kv.free, "cached_tokens": kv.cached,
                          "usage_ratio": round(used / total, 4)} if kv is not None and total else {},
             "memory": {"used_bytes": snap.get("memory_used_bytes"), "total_bytes": snap.get("memory_total_bytes"),
                        "gpu_used_bytes": snap.get("gpu_memory_used_bytes"),
                        "gpu_total_bytes": snap.get("gpu_memory_total_bytes")},
             "telemetry_sources": snap.get("sources"),
+            "connections": self.connections.stats() if self.connections is not None else None,
             "config": self.config.redacted(),
         }
 
@@ -478,10 +530,19 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        loop.set_exception_handler(_loop_exception)
+        logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())
         srv = self.config.server
-        sockets = [_tcp_listener(srv.host, srv.port)]
+        caps = connection_caps(srv.max_connections, srv.max_unix_connections, raise_nofile_limit())
+        self.connections = ConnectionGuard(caps, srv.header_timeout, srv.max_header_bytes)
+        sockets = [_tcp_listener(srv.host, srv.port, caps.backlog)]
+        uds_ident = None
         if srv.unix_socket:
-            sockets.append(_unix_listener(srv.unix_socket))
+            uds, uds_ident = _unix_listener(srv.unix_socket, caps.backlog)
+            sockets.append(uds)
+        if caps.tcp < srv.max_connections:
+            logger.warning("the open-file limit (%d) allows %d TCP connections, not server.max_connections=%d",
+                           caps.nofile, caps.tcp, srv.max_connections)
         self.telemetry.start()
         path, overrides = self._boot_model()
         if path:
@@ -491,7 +552,9 @@ class Daemon:
                 self.load_error = f"cannot load {path}: {e}"
                 logger.error("%s", self.load_error)
         app = build_app(self)
-        uconfig = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+        uconfig = uvicorn.Config(app, http=protocol_class(self.connections), lifespan="off", log_level="warning",
+                                 access_log=False, timeout_graceful_shutdown=1, backlog=caps.backlog,
+                                 timeout_keep_alive=srv.keepalive_timeout)  # type: ignore[arg-type]
         server = uvicorn.Server(uconfig)
         # SIGTERM/SIGINT are ours (drain first); uvicorn >= 0.29 would otherwise take them and stop at once
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -516,7 +579,7 @@ class Daemon:
                 await slot.stop()
         await asyncio.to_thread(self.telemetry.stop)
         if srv.unix_socket:
-            Path(srv.unix_socket).unlink(missing_ok=True)
+            _remove_own_socket(srv.unix_socket, uds_ident)
         self.zctx.destroy(linger=0)
         return 0
 
@@ -534,6 +597,14 @@ class Daemon:
         # fail first (rm.abort would forget them silently and leave their handlers waiting), then abort
         slot.rm.fail_all("the server is shutting down")
         await self._abort_in_scheduler(slot, rids)
+
+
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's errors (e.g. accept() out of file descriptors, repeated for every wake-up): logged
+    once, then rate-limited."""
+    exc = context.get("exception")
+    message = context.get("message") or "asyncio error"
+    _errors.log(f"loop:{message}:{type(exc).__name__}", logging.ERROR, "%s%s", message, f": {exc!r}" if exc else "")
 
 
 def _setup_logging(config: DaemonConfig) -> None:

@@ -42,3 +42,26 @@ class RateLimitedLog:
     def exception(self, key: str, msg: str, *args: Any) -> bool:
         """`log` at ERROR with the current exception's traceback (the first time)."""
         return self.log(key, logging.ERROR, msg, *args, exc_info=True)
+
+
+class RateLimitFilter(logging.Filter):
+    """A logging filter for a library's logger (uvicorn's "Invalid HTTP request received.", once per
+    bad request): each distinct message passes once per `interval` seconds."""
+
+    def __init__(self, interval: float = 10.0, max_keys: int = 256) -> None:
+        super().__init__()
+        self.interval = interval
+        self.max_keys = max_keys
+        self._last: OrderedDict[str, float] = OrderedDict()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = f"{record.levelno}:{record.msg}"
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval:
+            return False
+        self._last[key] = now
+        self._last.move_to_end(key)
+        while len(self._last) > self.max_keys:
+            self._last.popitem(last=False)
+        return True

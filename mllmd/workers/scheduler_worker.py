@@ -25,6 +25,7 @@ from mllmd.messages import (
     TokenOutputs,
     decoder,
     encode,
+    request_id_of,
 )
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
@@ -128,12 +129,21 @@ def run(wctx: WorkerContext) -> None:
     poller.register(inbox, zmq.POLLIN)
     trace = StepTrace.from_env(engine)
     decode = decoder(SchedulerInbox).decode
+    wctx.count_requests = lambda: len(engine.reqs)
     last_stats = 0.0
     while not wctx.stopping:
         timeout = 0 if engine.has_unfinished() else 50
         t0 = time.perf_counter()
         while dict(poller.poll(timeout)).get(inbox):
-            msg = decode(inbox.recv())
+            data = inbox.recv()
+            try:
+                msg = decode(data)
+            except Exception as e:  # a sender's bug: fail that request, keep serving the others
+                logger.error("cannot decode a message: %s", e)
+                rid = request_id_of(data)
+                if rid is not None:
+                    wctx.send_main(RequestFailed(rid, "internal", "the request could not be read by the scheduler"))
+                continue
             if trace is not None and isinstance(msg, GenerateRequest):
                 trace.received(msg)
             handle(msg, engine, wctx, to_detok)
