@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -64,8 +65,16 @@ class AdminApi:
         try:
             message = await self.d.load_model(ref, overrides)
         except ModelError as e:
-            raise APIError(422, str(e), "invalid_request_error", "model", "model_not_loadable") from None
+            param = "overrides" if str(e).startswith(("overrides", "unknown model override", "'overrides'")) else "model"
+            raise APIError(422, str(e), "invalid_request_error", param, "model_not_loadable") from None
         return JSONResponse({"message": message, "status": self.d.status()}, status_code=202)
+
+    async def requests(self, request: Request) -> Response:
+        """The requests in flight (ids, for POST /abort_request), oldest first."""
+        now = time.monotonic()
+        rows = [{"id": s.rid, "group": s.group, "model": slot.served_name, "age_seconds": round(now - s.created, 3)}
+                for slot in self.d.slots() for s in slot.rm.reqs.values()]
+        return JSONResponse({"requests": sorted(rows, key=lambda r: -r["age_seconds"])})
 
     async def unload(self, request: Request) -> Response:
         return JSONResponse({"message": await self.d.unload_model()})
@@ -99,6 +108,7 @@ def admin_routes(daemon: Daemon) -> list[Route]:
     return [
         Route("/admin/status", guarded(api.status), methods=["GET"]),
         Route("/admin/models", guarded(api.models), methods=["GET"]),
+        Route("/admin/requests", guarded(api.requests), methods=["GET"]),
         Route("/admin/models/load", guarded(api.load), methods=["POST"]),
         Route("/admin/models/unload", guarded(api.unload), methods=["POST"]),
         Route("/admin/drain", guarded(api.drain), methods=["POST"]),

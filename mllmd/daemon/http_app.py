@@ -34,6 +34,7 @@ from mllmd.openai.errors import (
     unauthorized,
 )
 from mllmd.openai.limits import Limits
+from mllmd.openai.openapi import openapi_document
 
 if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
@@ -218,6 +219,11 @@ class Api:
             raise not_found(f"no request {rid!r} is in flight", "rid", "request_not_found")
         return JSONResponse({"aborted": aborted})
 
+    async def openapi(self, request: Request) -> Response:
+        """The OpenAPI document of this API, with the configured bounds (for clients and fuzzers)."""
+        self._auth(request)
+        return JSONResponse(openapi_document(self.d.limits, self.d.config.server.max_request_bytes))
+
     async def metrics(self, request: Request) -> Response:
         if self.d.config.server.metrics_require_key:
             self._auth(request)
@@ -273,6 +279,7 @@ def build_app(daemon: Daemon) -> Starlette:
         Route("/generate", _wrap(api.generate), methods=["POST"]),
         Route("/abort_request", _wrap(api.abort_request), methods=["POST"]),
         Route("/metrics", _wrap(api.metrics), methods=["GET"]),
+        Route("/openapi.json", _wrap(api.openapi), methods=["GET"]),
         *admin_routes(daemon),
     ]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 import os
 import signal
@@ -32,10 +32,13 @@ from mllmd.daemon.models import (
     ModelError,
     check_loadable,
     check_ml_stack,
+    check_tokenizer,
     inspect_model,
     resolve_in_models_dirs,
 )
 from mllmd.daemon.ratelimit import RateLimitedLog, RateLimitFilter
+from mllmd.daemon.state import STATE_FILE, Record, StateError, read_record, write_record
+from mllmd.daemon.state import probe as probe_state
 from mllmd.daemon.supervisor import WorkerPolicy
 from mllmd.messages import ControlResult, EngineStats, FlushCache, RequestFailed, TextOutputs
 from mllmd.openai.errors import APIError, bad_request, service_unavailable
@@ -45,7 +48,8 @@ from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd")
 _errors = RateLimitedLog(logger)
-STATE_FILE = "active-model.json"
+# What an admin load may override: the engine's settings, except the model folder itself.
+_OVERRIDABLE = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model_path"}
 # Keys a reload (SIGHUP, POST /admin/reload) applies at once; the others need a restart or a model load.
 LIVE_KEYS = (
     "server.api_key", "server.api_key_file", "server.admin_api_key", "server.max_queued_requests",
@@ -257,6 +261,23 @@ class Daemon:
             max_restarts=w.max_restarts, restart_window=w.restart_window, ready_timeout=w.ready_timeout,
         )
 
+    def _check_overrides(self, overrides: Any) -> dict[str, Any]:
+        """Model overrides from the admin API or the state record: engine settings only, never the model
+        path, and a tokenizer_path that resolves inside model.models_dir (returned resolved)."""
+        if not isinstance(overrides, dict):
+            raise ModelError("'overrides' must be an object of model settings")
+        out: dict[str, Any] = {}
+        for key, value in overrides.items():
+            if key == "model_path":
+                raise ModelError("overrides.model_path is not allowed: name the model folder in 'model' "
+                                 "(it must be inside model.models_dir)")
+            if key not in _OVERRIDABLE:
+                raise ModelError(f"unknown model override {key[:100]!r} (known: {', '.join(sorted(_OVERRIDABLE))})")
+            if key == "tokenizer_path" and value is not None:
+                value = str(resolve_in_models_dirs(value, self.config.model.models_dir, "overrides.tokenizer_path"))
+            out[key] = value
+        return out
+
     def _engine_for(self, path: str, overrides: dict[str, Any]) -> EngineConfig:
         engine = self.config.engine_config(path)
         if overrides:
@@ -268,8 +289,13 @@ class Daemon:
                 raise ModelError(f"bad model override {e}") from None
         return engine
 
-    def begin_load(self, path: str, overrides: dict[str, Any], served_name: str | None = None) -> str:
-        """Validate, then start loading `path` in a new slot (a hot swap if a model is active)."""
+    def begin_load(self, path: str, overrides: dict[str, Any], served_name: str | None = None,
+                   strict_record: bool = True, fallback: str | None = None) -> str:
+        """Validate, then start loading `path` in a new slot (a hot swap if a model is active).
+
+        `strict_record`: the load fails if it cannot be recorded in the state folder (admin loads; at
+        boot a failure to record is only logged). `fallback`: a model to load instead if this one fails
+        (a recorded model at boot falls back to model.path)."""
         if self.pending is not None:
             raise ModelError(f"a load is already in progress ({self.pending.engine.model_path})")
         check_ml_stack()
@@ -280,10 +306,13 @@ class Daemon:
         except ConfigError as e:
             raise ModelError(str(e)) from None
         engine = self._engine_for(path, overrides)
+        check_tokenizer(engine.tokenizer_path or path)
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
                          self._on_slot_message, self._on_worker_lost, self.config.model.chat_template)
         slot.overrides = overrides  # type: ignore[attr-defined]
+        slot.strict_record = strict_record  # type: ignore[attr-defined]
+        slot.fallback = fallback  # type: ignore[attr-defined]
         self.pending, self.load_error, self.draining = slot, None, False
         slot.start()
         self.notifier.send(f"STATUS=loading {name}")
@@ -291,21 +320,31 @@ class Daemon:
         return f"loading {name} from {path}" + (" (hot swap: the current model serves until it is ready)"
                                                    if self.active is not None else "")
 
-    async def load_model(self, ref: str, overrides: dict[str, Any]) -> str:
-        """Admin load: `ref` must resolve inside a models dir."""
+    async def load_model(self, ref: str, overrides: Any) -> str:
+        """Admin load: `ref` and every path among the overrides must resolve inside model.models_dir, and
+        the state folder must be writable (else the load is refused: a restart would not repeat it)."""
         path = resolve_in_models_dirs(ref, self.config.model.models_dir)
-        return self.begin_load(str(path), overrides)
+        checked = self._check_overrides(overrides)
+        try:
+            probe_state(state_dir())
+        except StateError as e:
+            raise APIError(500, f"{e}; the load was refused, since a restart would not load this model",
+                           "server_error", None, "state_not_writable") from None
+        return self.begin_load(str(path), checked)
 
     async def unload_model(self) -> str:
+        try:
+            self._record_active(None, {}, strict=True)  # first: a refused unload changes nothing
+        except StateError as e:
+            raise APIError(500, f"{e}; nothing was unloaded, since a restart would load the model again",
+                           "server_error", None, "state_not_writable") from None
         if self.pending is not None:
             slot, self.pending = self.pending, None
             await slot.stop()
         if self.active is None:
-            self._record_active(None, {})
             return "no model was loaded"
         slot, self.active = self.active, None
         self.metrics.clear_model()
-        self._record_active(None, {})
         self._retire(slot, drain=True)
         return f"unloading {slot.served_name}: requests in flight finish first"
 
@@ -329,35 +368,60 @@ class Daemon:
             self._controls.pop(cid, None)
         return f"flushed the prefix cache: {result.freed_tokens} cached tokens freed (entries in use kept)"
 
-    def _record_active(self, path: str | None, overrides: dict[str, Any]) -> None:
-        """Remember the active model so a restart loads it again."""
+    def _record_active(self, path: str | None, overrides: dict[str, Any], strict: bool) -> None:
+        """Remember the active model so a restart loads it again (nothing is written when the record
+        already says so). A failure raises StateError when `strict`, else it is logged."""
         d = state_dir()
+        record = Record(path, overrides, self.config.model.path)
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / (STATE_FILE + ".tmp")
-            # boot_default: model.path when this was recorded; if the configuration names another model
-            # later, the operator changed it on purpose and that wins over this record.
-            tmp.write_text(json.dumps({"path": path, "overrides": overrides, "boot_default": self.config.model.path}))
-            os.replace(tmp, d / STATE_FILE)
-        except OSError as e:
-            logger.warning("cannot record the active model in %s: %s", d, e)
+            if read_record(d)[0] != record:
+                write_record(d, record)
+        except StateError as e:
+            if strict:
+                raise
+            logger.warning("%s (a restart may load another model)", e)
 
-    def _boot_model(self) -> tuple[str | None, dict[str, Any]]:
-        """The model to load at start: the recorded one if any, else model.path from the config."""
+    def _config_model(self) -> str | None:
+        return self.config.engine_config().model_path if self.config.model.path else None
+
+    def _boot_model(self) -> tuple[str | None, dict[str, Any], bool]:
+        """The model to load at start: (path, overrides, from the record). The recorded one if it can
+        be used, else model.path: whatever the state file holds, the reason it is not used is logged."""
         f = state_dir() / STATE_FILE
-        if f.is_file():
-            try:
-                rec = json.loads(f.read_text())
-                path = rec.get("path")
-                if rec.get("boot_default") != self.config.model.path:
-                    logger.info("model.path changed since %s was written; loading model.path", f)
-                elif path is None or Path(path).is_dir():
-                    return path, dict(rec.get("overrides") or {})
-                else:
-                    logger.warning("recorded model %s is gone; using model.path", path)
-            except (OSError, ValueError) as e:
-                logger.warning("ignoring unreadable %s: %s", f, e)
-        return (self.config.engine_config().model_path if self.config.model.path else None), {}
+        rec, why = read_record(state_dir())
+        if rec is None:
+            if why:
+                logger.warning("ignoring %s: %s; loading model.path", f, why)
+            return self._config_model(), {}, False
+        if rec.boot_default != self.config.model.path:
+            logger.info("model.path changed since %s was written; loading model.path", f)
+            return self._config_model(), {}, False
+        if rec.path is None:
+            return None, {}, True  # unloaded on purpose: boot idle
+        try:
+            configured = self._config_model()
+            if configured is not None and Path(rec.path).resolve() == Path(configured).resolve():
+                path = str(Path(rec.path).resolve())
+            else:
+                path = str(resolve_in_models_dirs(rec.path, self.config.model.models_dir))
+            return path, self._check_overrides(rec.overrides), True
+        except ModelError as e:
+            logger.warning("the model recorded in %s cannot be loaded (%s); loading model.path", f, e)
+            return self._config_model(), {}, False
+
+    def _load_at_boot(self, path: str, overrides: dict[str, Any], fallback: str | None) -> None:
+        """Start the boot load; if it is refused at once and there is a fallback (model.path instead of
+        a recorded model), load that. Never raises: the daemon serves /health and the admin API anyway."""
+        try:
+            self.begin_load(path, overrides, self.config.served_model_name(path), strict_record=False,
+                            fallback=fallback)
+            return
+        except Exception as e:  # ModelError, or anything a corrupted record could lead to
+            self.load_error = f"cannot load {path}: {e}"
+            logger.error("%s", self.load_error)
+        if fallback:
+            logger.warning("loading model.path (%s) instead of the recorded model", fallback)
+            self._load_at_boot(fallback, {}, None)
 
     def _on_worker_lost(self, slot: ModelSlot, name: str, reason: str) -> None:
         if slot is self.pending:
@@ -399,11 +463,20 @@ class Daemon:
         sup = slot.supervisor
         failed = next((h for h in sup.workers.values() if h.restarts > 0), None)
         if slot.ready:
+            try:
+                self._record_active(slot.engine.model_path, getattr(slot, "overrides", {}),
+                                    strict=getattr(slot, "strict_record", True))
+            except StateError as e:
+                self.load_error = (f"loading {slot.engine.model_path} failed: {e}; the model was not switched "
+                                   "to, so that a restart serves what runs now")
+                logger.error("%s", self.load_error)
+                self.pending = None
+                self._retire(slot, drain=False)
+                return
             old, self.active, self.pending = self.active, slot, None
             d = slot.describe()
             self.metrics.set_model(slot.served_name, d["architecture"], d["dtype"], d["quantization"] or "none")
             self.metrics.observe_model_load(slot.load_seconds or 0.0, slot.served_name)
-            self._record_active(slot.engine.model_path, getattr(slot, "overrides", {}))
             logger.info("model %s ready in %.1f s", slot.served_name, slot.load_seconds or 0.0)
             if old is not None:
                 self._retire(old, drain=True)
@@ -413,6 +486,10 @@ class Daemon:
             logger.error("%s", self.load_error)
             self.pending = None
             self._retire(slot, drain=False)
+            fallback = getattr(slot, "fallback", None)
+            if fallback:
+                logger.warning("the recorded model did not load; loading model.path (%s) instead", fallback)
+                self._load_at_boot(fallback, {}, None)
 
     # ---- loops -------------------------------------------------------------------------------
     async def _supervise_loop(self) -> None:
@@ -544,13 +621,11 @@ class Daemon:
             logger.warning("the open-file limit (%d) allows %d TCP connections, not server.max_connections=%d",
                            caps.nofile, caps.tcp, srv.max_connections)
         self.telemetry.start()
-        path, overrides = self._boot_model()
+        path, overrides, recorded = self._boot_model()
         if path:
-            try:
-                self.begin_load(path, overrides, self.config.served_model_name(path))
-            except ModelError as e:
-                self.load_error = f"cannot load {path}: {e}"
-                logger.error("%s", self.load_error)
+            configured = self._config_model()
+            fallback = configured if recorded and configured and configured != path else None
+            self._load_at_boot(path, overrides, fallback)
         app = build_app(self)
         uconfig = uvicorn.Config(app, http=protocol_class(self.connections), lifespan="off", log_level="warning",
                                  access_log=False, timeout_graceful_shutdown=1, backlog=caps.backlog,

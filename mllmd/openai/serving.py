@@ -105,7 +105,8 @@ def _token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogp
 
 
 def _finish(reason: str | None) -> str:
-    return "length" if reason == "length" else "stop"
+    """OpenAI's finish_reason; "abort" (the admin aborted the request) is kept, as vLLM does."""
+    return reason if reason in ("length", "abort") else "stop"
 
 
 # ---- chat ------------------------------------------------------------------------------------
