@@ -448,6 +448,8 @@ class Daemon:
                 st = slot.rm.reqs.get(item.rid)
                 if st is not None:
                     self.metrics.on_output(item.rid, item, st.created)
+                elif item.finished:  # its handler gave it up (client gone, admin abort): its timeline goes
+                    self.metrics.forget(item.rid)
         elif isinstance(msg, RequestFailed):
             for r in slot.rm.groups.get(msg.rid, [msg.rid]):
                 self.metrics.forget(r)

@@ -102,7 +102,7 @@ def test_unforwardable_bodies_are_400_and_leak_nothing(d: Any, h: httpx.Client, 
     if "huge-int" in name:
         assert "64-bit" in err["message"] and err["param"]
     assert_serving(h)
-    assert not any(tracked(d).values())
+    wait_idle(d)
 
 
 def test_nesting_within_the_limit_is_served(h: httpx.Client) -> None:
@@ -255,8 +255,9 @@ def test_only_the_admin_aborts_and_the_victim_is_told(d: Any, h: httpx.Client) -
     assert_serving(h)
 
 
-def test_admin_abort_of_a_non_streaming_chat(d: Any, h: httpx.Client) -> None:
-    """A collected (non-streaming) request aborted by the admin answers at once with what it had."""
+def test_admin_abort_of_a_collected_completion(d: Any, h: httpx.Client) -> None:
+    """A collected (non-streaming) n=2 request aborted by the admin (found in /admin/requests) answers
+    at once."""
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -275,9 +276,9 @@ def test_admin_abort_of_a_non_streaming_chat(d: Any, h: httpx.Client) -> None:
     aborted = admin(d, "POST", "/abort_request", {"rid": listed[0]["group"]}).json()["aborted"]
     t.join(30)
     assert not t.is_alive(), "the aborted request's handler never answered"
-    assert out["status"] == 200, out
-    assert sorted(aborted) and len(aborted) == 2
-    assert [c["finish_reason"] for c in out["body"]["choices"]] == ["abort", "abort"]
+    assert len(aborted) == 2
+    # OpenAI has no finish_reason for it: an error (native /generate says finish_reason "abort")
+    assert out["status"] == 503 and "aborted by the server's administrator" in out["body"]["error"]["message"], out
     wait_idle(d)
 
 
