@@ -626,7 +626,8 @@ class Daemon:
         path, overrides, recorded = self._boot_model()
         if path:
             configured = self._config_model()
-            fallback = configured if recorded and configured and configured != path else None
+            # a recorded model (or model.path with recorded overrides) falls back to plain model.path
+            fallback = configured if recorded and configured and (configured != path or overrides) else None
             self._load_at_boot(path, overrides, fallback)
         app = build_app(self)
         uconfig = uvicorn.Config(app, http=protocol_class(self.connections), lifespan="off", log_level="warning",
