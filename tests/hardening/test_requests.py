@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.daemon.conftest import start_daemon, stop_and_check
+from tests.daemon.conftest import daemon_env, start_daemon, stop_and_check
 
 from .helpers import (
     admin,
@@ -256,8 +256,8 @@ def test_only_the_admin_aborts_and_the_victim_is_told(d: Any, h: httpx.Client) -
 
 
 def test_admin_abort_of_a_collected_completion(d: Any, h: httpx.Client) -> None:
-    """A collected (non-streaming) n=2 request aborted by the admin (found in /admin/requests) answers
-    at once."""
+    """A collected (non-streaming) n=2 request aborted by the admin (`mllmctl requests`, `mllmctl abort`)
+    answers at once."""
     out: dict[str, Any] = {}
 
     def run() -> None:
@@ -271,9 +271,14 @@ def test_admin_abort_of_a_collected_completion(d: Any, h: httpx.Client) -> None:
     while tracked(d)["groups"] == 0:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.05)
-    listed = admin(d, "GET", "/admin/requests").json()["requests"]
+    ctl = [sys.executable, "-m", "mllmd.ctl", "--socket", d.uds]
+    listed = json.loads(subprocess.run([*ctl, "requests", "--json"], capture_output=True, text=True, timeout=60,
+                                       env=daemon_env()).stdout)["requests"]
     assert len(listed) == 2 and len({r["group"] for r in listed}) == 1, listed
-    aborted = admin(d, "POST", "/abort_request", {"rid": listed[0]["group"]}).json()["aborted"]
+    out_ctl = subprocess.run([*ctl, "abort", listed[0]["group"]], capture_output=True, text=True, timeout=60,
+                             env=daemon_env())
+    assert out_ctl.returncode == 0, out_ctl
+    aborted = out_ctl.stdout.strip().removeprefix("aborted ").split(", ")
     t.join(30)
     assert not t.is_alive(), "the aborted request's handler never answered"
     assert len(aborted) == 2
