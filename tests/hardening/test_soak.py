@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from mllmd.workers.scheduler_worker import IDLE_TRIM_AFTER
 from tests.daemon.conftest import start_daemon, stop_and_check
 
 from .helpers import admin, rss_mib, status, wait_idle
@@ -125,7 +126,8 @@ def snapshot(d: Any) -> dict[str, Any]:
     idle = wait_idle(d)
     r = admin(d, "POST", "/admin/flush-cache")  # the prefix cache is a cache: what is left is held
     assert r.status_code == 200, r.text
-    time.sleep(1.0)  # one more stats report from the scheduler
+    # the scheduler's next stats, and its idle heap trim (IDLE_TRIM_AFTER): RSS at rest, not mid-burst
+    time.sleep(IDLE_TRIM_AFTER + 2.0)
     s = status(d)
     kv = s["kv_cache"]
     return {"held": idle, "kv_used_ratio": kv["usage_ratio"], "kv_total": kv["total_tokens"],
