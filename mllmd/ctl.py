@@ -2,7 +2,7 @@
 
     mllmctl [--socket PATH | --url URL] [--admin-key KEY] [--config PATH] COMMAND
     commands: status [--json] | models [--json] | load-model PATH|NAME [--wait] | unload-model
-              | drain | flush-cache | reload
+              | drain | flush-cache | reload | requests [--json] | abort ID
 
 Exit status: 0 done; 1 the daemon refused the operation; 2 bad usage or the daemon is unreachable.
 Standard library only (it runs where torch is absent).
@@ -182,9 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="mllmd configuration file (to find the socket)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
     sub = ap.add_subparsers(dest="command", required=True)
-    for name in ("status", "models"):
+    for name in ("status", "models", "requests"):
         p = sub.add_parser(name)
         p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p = sub.add_parser("abort", help="abort a request in flight (an id from `mllmctl requests`, or its group)")
+    p.add_argument("id")
     p = sub.add_parser("load-model", help="load (or hot-swap to) a model folder or a name under models_dir")
     p.add_argument("model")
     p.add_argument("--wait", action="store_true", help="wait until loaded, with a progress bar")
@@ -217,6 +219,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"loaded {(s.get('model') or {}).get('served_name')}")
             else:
                 print(r.get("message") or "loading")
+        elif cmd == "requests":
+            r = client.call("GET", "/admin/requests")
+            rows = r.get("requests") or []
+            if args.json:
+                print(json.dumps(r, indent=2))
+            elif not rows:
+                print("no requests in flight")
+            else:
+                print("\n".join(f"{q['id']:<48} {q['model']:<24} {q['age_seconds']:>8.1f} s" for q in rows))
+        elif cmd == "abort":
+            r = client.call("POST", "/abort_request", {"rid": args.id})
+            print("aborted " + ", ".join(r.get("aborted") or []))
         elif cmd == "unload-model":
             print(client.call("POST", "/admin/models/unload").get("message") or "unloaded")
         elif cmd == "drain":

@@ -187,6 +187,7 @@ class Heartbeat(_Message):
     worker: str
     pid: int
     time: float
+    requests: int | None = None  # requests the worker holds state for (None: it keeps none)
 
 
 class WorkerReady(_Message):
@@ -314,3 +315,16 @@ def encode(msg: _Message) -> bytes:
 def decoder(inbox: Any) -> msgspec.msgpack.Decoder[Any]:
     """A decoder for one socket's union of messages (type errors raise msgspec.ValidationError)."""
     return msgspec.msgpack.Decoder(inbox)
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The id (a request's rid or a TokenizeRequest's group: the first field) of a message that its
+    socket's decoder refused, so that the request can be failed instead of left waiting; None if even
+    that cannot be read."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[1], str):
+        return raw[1]
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -9,18 +11,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mllmd.daemon.http_common import bearer_matches, error_response, from_unix_socket, read_body
 from mllmd.daemon.models import ModelError, find_models
-from mllmd.openai.errors import APIError, bad_request, payload_too_large, unauthorized
-from mllmd.openai.protocol import decode_json
+from mllmd.daemon.ratelimit import RateLimitedLog
+from mllmd.openai.errors import APIError, bad_request, internal_error, unauthorized
+from mllmd.openai.limits import decode_json
 
 if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
 
-
-def from_unix_socket(request: Request) -> bool:
-    """uvicorn reports a Unix-socket listener as server (path, None)."""
-    server = request.scope.get("server")
-    return bool(server) and server[1] is None
+_errors = RateLimitedLog(logging.getLogger("mllmd.admin"))
 
 
 class AdminApi:
@@ -28,8 +28,6 @@ class AdminApi:
         self.d = daemon
 
     def _authorise(self, request: Request) -> None:
-        from mllmd.daemon.http_app import bearer_matches
-
         if from_unix_socket(request):
             return  # the socket's mode (0660, group mllmd) is the access control
         key = self.d.config.admin_api_key
@@ -40,12 +38,11 @@ class AdminApi:
             raise unauthorized("Missing or invalid admin key: send 'Authorization: Bearer <admin key>'.")
 
     async def _body(self, request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if len(raw) > self.d.config.server.max_request_bytes:
-            raise payload_too_large()
+        srv = self.d.config.server
+        raw = await read_body(request, srv.max_request_bytes, srv.body_timeout)
         if not raw.strip():
             return {}
-        body = decode_json(raw)  # the API's rules: UTF-8, no NaN / Infinity, bounded nesting
+        body = decode_json(raw, self.d.limits)  # the API's rules: UTF-8, no NaN / Infinity, bounded nesting
         if not isinstance(body, dict):
             raise bad_request("the request body must be a JSON object")
         return body
@@ -68,8 +65,16 @@ class AdminApi:
         try:
             message = await self.d.load_model(ref, overrides)
         except ModelError as e:
-            raise APIError(422, str(e), "invalid_request_error", "model", "model_not_loadable") from None
+            param = "overrides" if str(e).startswith(("overrides", "unknown model override", "'overrides'")) else "model"
+            raise APIError(422, str(e), "invalid_request_error", param, "model_not_loadable") from None
         return JSONResponse({"message": message, "status": self.d.status()}, status_code=202)
+
+    async def requests(self, request: Request) -> Response:
+        """The requests in flight (ids, for POST /abort_request), oldest first."""
+        now = time.monotonic()
+        rows = [{"id": s.rid, "group": s.group, "model": slot.served_name, "age_seconds": round(now - s.created, 3)}
+                for slot in self.d.slots() for s in slot.rm.reqs.values()]
+        return JSONResponse({"requests": sorted(rows, key=lambda r: -r["age_seconds"])})
 
     async def unload(self, request: Request) -> Response:
         return JSONResponse({"message": await self.d.unload_model()})
@@ -93,13 +98,17 @@ def admin_routes(daemon: Daemon) -> list[Route]:
                 api._authorise(request)
                 return await handler(request)
             except APIError as e:
-                return JSONResponse(e.to_dict(), status_code=e.status, headers=e.headers)
+                return error_response(e)
+            except Exception:  # a bug: logged (rate-limited), answered in the API's error shape
+                _errors.exception(f"admin:{request.url.path}", "%s %s failed", request.method, request.url.path)
+                return error_response(internal_error())
 
         return endpoint
 
     return [
         Route("/admin/status", guarded(api.status), methods=["GET"]),
         Route("/admin/models", guarded(api.models), methods=["GET"]),
+        Route("/admin/requests", guarded(api.requests), methods=["GET"]),
         Route("/admin/models/load", guarded(api.load), methods=["POST"]),
         Route("/admin/models/unload", guarded(api.unload), methods=["POST"]),
         Route("/admin/drain", guarded(api.drain), methods=["POST"]),

@@ -62,8 +62,16 @@ class ServerSection:
     api_key_file: str | None = _opt(None, "file whose first line is the API key (instead of api_key)")
     admin_api_key: str | None = _opt(None, "key for /admin/* over TCP; null: admin API only on the Unix socket", secret=True)
     allow_unauthenticated_lan: bool = _opt(False, "allow a non-loopback host without an API key")
-    metrics_require_key: bool = _opt(False, "require the API key on /metrics too")
+    metrics_require_key: bool = _opt(False, "require the API key on /metrics too; false (the default): Prometheus scrapes without one (/metrics holds counters, the served model's name and device telemetry, never paths, prompts or keys); set true when untrusted clients reach the TCP port")
     max_request_bytes: int = _opt(8 * MIB, "largest request body accepted, in bytes (8 MiB); larger: 413", low=1)
+    max_json_depth: int = _opt(64, "deepest nesting of objects and arrays in a request body; deeper: 400", low=2, high=256)
+    max_stop_length: int = _opt(1024, "longest stop string, in characters; longer: 400", low=1, high=65536)
+    body_timeout: float = _opt(60.0, "seconds a client may take to send a request body once its headers are in; slower: 408", positive=True)
+    header_timeout: float = _opt(10.0, "seconds a connection may take to send a request's headers (from its first byte, or from the connection's start); slower: closed", positive=True)
+    max_header_bytes: int = _opt(65536, "largest request line + headers, in bytes (64 KiB); larger: 431 and the connection closed (checked before authentication)", low=1024)
+    keepalive_timeout: float = _opt(5.0, "seconds an idle keep-alive connection stays open between requests", positive=True)
+    max_connections: int = _opt(1000, "most open TCP connections; more are answered 503 and closed at once; never more than the open-file limit allows (RLIMIT_NOFILE minus a reserve for the workers and the Unix socket)", low=1)
+    max_unix_connections: int = _opt(64, "most open connections on the Unix socket (local clients, mllmctl), counted apart from TCP so that no TCP flood locks the admin out", low=1)
     max_queued_requests: int = _opt(256, "most requests waiting for the scheduler; more: 503", low=1)
     shutdown_timeout: float = _opt(30.0, "seconds to let running requests finish on stop before aborting them", low=0)
     reasoning_parser: str | None = _opt(None, "split thinking into reasoning_content: null | qwen3", choices=(None, "qwen3"))
@@ -79,6 +87,7 @@ class ModelSection:
     """The daemon-only model keys (the engine's model keys live in `EngineConfig`)."""
 
     path: str | None = _opt(None, "model folder (or a folder name under models_dir) loaded at boot; null: start with no model")
+    chat_template: str | None = _opt(None, "Jinja chat template file used instead of the model's own; null: the model's (requests can never supply a template)")
     served_model_name: str | None = _opt(None, "model id in the API; null: the model folder's name")
     models_dir: tuple[str, ...] = _opt(["/var/lib/mllmd/models"], "folders that hold models (listed by mllmctl models; bare names resolve here)")
     quantization: str | None = _opt(None, "expected quantization: null (the checkpoint's) | w8a8 | w4a16; must match the checkpoint", choices=(None, "w8a8", "w4a16"))
@@ -300,6 +309,8 @@ class DaemonConfig:
             raise ConfigError("server.api_key_file", "set either server.api_key or server.api_key_file, not both")
         if s.api_key_file is not None:
             object.__setattr__(self, "_file_api_key", _read_key_file(s.api_key_file))
+        if self.model.chat_template is not None:
+            _check_template_file(self.model.chat_template)
         if not s.host:
             raise ConfigError("server.host", "must not be empty")
         if s.admin_api_key is not None and s.admin_api_key == self.api_key:
@@ -391,6 +402,18 @@ def _read_key_file(path: str) -> str:
     if not line:
         raise ConfigError("server.api_key_file", f"the first line of {path} is empty")
     return line
+
+
+def _check_template_file(path: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(1 << 20 | 1)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("model.chat_template", f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not text.strip():
+        raise ConfigError("model.chat_template", f"{path} is empty")
+    if len(text) > 1 << 20:
+        raise ConfigError("model.chat_template", f"{path} is larger than 1 MiB")
 
 
 # ----------------------------------------------------------------------------------------- sources

@@ -1,9 +1,15 @@
-"""The Starlette app: OpenAI API, native /generate, /health. Never imports torch."""
+"""The Starlette app: OpenAI API, native /generate, /health. Never imports torch.
+
+Every handler answers in OpenAI's error shape whatever goes wrong: an exception that is not an
+APIError is logged (rate-limited) and answered 500, and whatever the request had registered is
+released (see `Api._respond`). Bodies above OFFLOAD_BYTES are decoded and validated in a thread, so
+that one large body never stalls the event loop (and /health) for long.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -13,50 +19,29 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mllmd.daemon.admin import admin_routes
+from mllmd.daemon.http_common import bearer_matches, error_response, is_admin, parse_body, read_body
+from mllmd.daemon.ratelimit import RateLimitedLog
 from mllmd.messages import ChatPrompt, Prompt, RequestFailed, TextPrompt, TokenPrompt
 from mllmd.openai import protocol, serving
 from mllmd.openai import responses as R
 from mllmd.openai.errors import (
     APIError,
     bad_request,
+    internal_error,
     model_not_found,
-    payload_too_large,
+    not_found,
     service_unavailable,
     unauthorized,
 )
+from mllmd.openai.limits import Limits
+from mllmd.openai.openapi import openapi_document
 
 if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
-def bearer_matches(request: Request, key: str) -> bool:
-    """`Authorization: Bearer <key>`, compared in constant time."""
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
-
-
-def error_response(e: APIError) -> JSONResponse:
-    headers = {}
-    retry = getattr(e, "retry_after", None)
-    if retry is not None:
-        headers["Retry-After"] = str(retry)
-    if e.status == 401:
-        headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
-
-
-async def read_json(request: Request, limit: int) -> Any:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise payload_too_large(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise payload_too_large(f"request body exceeds the limit of {limit} bytes")
-    return protocol.decode_json(bytes(body))
+logger = logging.getLogger("mllmd.http")
+_errors = RateLimitedLog(logger)
 
 
 class Api:
@@ -85,6 +70,26 @@ class Api:
         if reason is not None:
             raise service_unavailable(reason)
 
+    async def _parse(self, request: Request, parse: Callable[[Any, Limits], Any]) -> Any:
+        srv = self.d.config.server
+        body = await read_body(request, srv.max_request_bytes, srv.body_timeout)
+        return await parse_body(body, self.d.limits, parse)
+
+    async def _respond(self, request: Request, states: list[Any], stream: AsyncIterator[bytes] | None,
+                       full: Awaitable[Any] | None) -> Response:
+        """Stream or collect the request's results. Whatever goes wrong before the response is handed
+        over (an error before the first token, the client leaving, any exception), its requests are
+        released here; a stream's body releases them when it ends."""
+        try:
+            if stream is not None:
+                return await self._stream(request, states, stream)
+            assert full is not None
+            return JSONResponse(await self._watch(request, states, full))
+        except BaseException:
+            for s in states:
+                await s.owner.abort(s.rid)
+            raise
+
     async def _watch(self, request: Request, states: list[Any], work: Awaitable[Any]) -> Any:
         """Await `work`; if the client goes away first, abort its requests."""
         task = asyncio.ensure_future(work)
@@ -111,6 +116,10 @@ class Api:
             try:
                 async for chunk in gen:
                     yield chunk
+            except Exception:  # the status line is gone: end the stream with an error event
+                _errors.exception(f"stream:{request.url.path}", "a %s stream failed", request.url.path)
+                yield R.sse({"error": {"message": "Internal server error.", "type": "server_error",
+                                       "param": None, "code": 500}})
             finally:
                 for s in states:
                     await s.owner.abort(s.rid)
@@ -125,7 +134,9 @@ class Api:
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        reason = self.d.not_ready_reason()
+        """Open to everyone: the reason it gives is the public one (no paths, no load errors) unless
+        the caller is the admin (Unix socket, or the admin key)."""
+        reason = self.d.not_ready_reason(detail=is_admin(request, self.d.config.admin_api_key))
         if reason is None:
             return JSONResponse({"status": "ok", "state": self.d.state})
         return JSONResponse({"status": "unavailable", "state": self.d.state, "reason": reason}, status_code=503)
@@ -145,7 +156,7 @@ class Api:
 
     async def chat(self, request: Request) -> Response:
         self._auth(request)
-        req = protocol.parse_chat_request(await read_json(request, self.d.config.server.max_request_bytes))
+        req = await self._parse(request, protocol.parse_chat_request)
         self._check_model(req.model)
         self._check_ready()
         if req.image_urls:
@@ -155,12 +166,12 @@ class Api:
         opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,
                                    self.d.config.server.tool_call_parser)
         if req.stream:
-            return await self._stream(request, states, serving.chat_stream(states, req, opts))
-        return JSONResponse(await self._watch(request, states, serving.chat_full(states, req, opts)))
+            return await self._respond(request, states, serving.chat_stream(states, req, opts), None)
+        return await self._respond(request, states, None, serving.chat_full(states, req, opts))
 
     async def completions(self, request: Request) -> Response:
         self._auth(request)
-        req = protocol.parse_completion_request(await read_json(request, self.d.config.server.max_request_bytes))
+        req = await self._parse(request, protocol.parse_completion_request)
         self._check_model(req.model)
         self._check_ready()
         if len(req.prompts) != 1:
@@ -170,38 +181,58 @@ class Api:
         echo = [prompt if isinstance(prompt, str) else ""] * req.n
         model = self.d.served_model_name or ""
         if req.stream:
-            return await self._stream(request, states, serving.completion_stream(states, req, model, echo))
-        return JSONResponse(await self._watch(request, states, serving.completion_full(states, req, model, echo)))
+            return await self._respond(request, states, serving.completion_stream(states, req, model, echo), None)
+        return await self._respond(request, states, None, serving.completion_full(states, req, model, echo))
 
     async def generate(self, request: Request) -> Response:
         self._auth(request)
-        req = protocol.parse_generate_request(await read_json(request, self.d.config.server.max_request_bytes))
+        req = await self._parse(request, protocol.parse_generate_request)
         self._check_model(None)
         self._check_ready()
         if req.batch_size != 1:
             raise bad_request("batched /generate is not supported; send one prompt per request", "text")
         states = await self._submit(_prompt(req.prompts[0]), req, 1, "prompt")
         if req.stream:
-            return await self._stream(request, states, serving.generate_stream(states))
-        out = await self._watch(request, states, serving.generate_full(states))
-        return JSONResponse(out[0])
+            return await self._respond(request, states, serving.generate_stream(states), None)
+        return await self._respond(request, states, None, _first_of(serving.generate_full(states)))
 
     async def abort_request(self, request: Request) -> Response:
-        self._auth(request)
-        body = await read_json(request, self.d.config.server.max_request_bytes)
+        """Abort a request by id: only over the admin API (the Unix socket, or the admin key). A client
+        aborts its own request by closing its connection; nobody else can abort it."""
+        admin = is_admin(request, self.d.config.admin_api_key)
+        if not admin:
+            self._auth(request)
+        srv = self.d.config.server
+        body = await parse_body(await read_body(request, srv.max_request_bytes, srv.body_timeout), self.d.limits)
         rid = body.get("rid") if isinstance(body, dict) else None
-        if not isinstance(rid, str):
-            raise bad_request("'rid' must be a string", "rid")
-        slot = self.d.active
-        if slot is not None:
-            await slot.rm.abort(rid)
-        return JSONResponse({"aborted": rid})
+        if not isinstance(rid, str) or not rid or len(rid) > protocol.MAX_RID_LEN:
+            raise bad_request(f"'rid' must be a request id (a string of 1 to {protocol.MAX_RID_LEN} characters)",
+                              "rid")
+        if not admin:
+            raise APIError(403, "aborting a request by id needs the admin API (the Unix socket, or "
+                           "server.admin_api_key); a client aborts its own request by closing its connection",
+                           "permission_error", "rid", "abort_forbidden")
+        aborted: list[str] = []
+        for slot in self.d.slots():
+            aborted += await slot.rm.abort_by_admin(rid)
+        if not aborted:
+            raise not_found(f"no request {rid!r} is in flight", "rid", "request_not_found")
+        return JSONResponse({"aborted": aborted})
+
+    async def openapi(self, request: Request) -> Response:
+        """The OpenAPI document of this API, with the configured bounds (for clients and fuzzers)."""
+        self._auth(request)
+        return JSONResponse(openapi_document(self.d.limits, self.d.config.server.max_request_bytes))
 
     async def metrics(self, request: Request) -> Response:
         if self.d.config.server.metrics_require_key:
             self._auth(request)
         body, content_type = self.d.metrics.render()
         return Response(body, media_type=content_type)
+
+
+async def _first_of(results: Awaitable[list[Any]]) -> Any:
+    return (await results)[0]
 
 
 def _prompt(prompt: str | list[int]) -> Prompt:
@@ -230,6 +261,9 @@ def _wrap(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Reques
             return error_response(e)
         except ClientDisconnect:
             return Response(status_code=499)
+        except Exception:  # a bug, not the client's fault: log it (rate-limited), answer in OpenAI's shape
+            _errors.exception(f"handler:{request.url.path}", "%s %s failed", request.method, request.url.path)
+            return error_response(internal_error())
 
     return endpoint
 
@@ -245,6 +279,7 @@ def build_app(daemon: Daemon) -> Starlette:
         Route("/generate", _wrap(api.generate), methods=["POST"]),
         Route("/abort_request", _wrap(api.abort_request), methods=["POST"]),
         Route("/metrics", _wrap(api.metrics), methods=["GET"]),
+        Route("/openapi.json", _wrap(api.openapi), methods=["GET"]),
         *admin_routes(daemon),
     ]
 

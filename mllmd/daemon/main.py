@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 import os
 import signal
@@ -25,28 +25,37 @@ import zmq.asyncio
 from mllmd import __version__, knobs
 from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
+from mllmd.daemon.http_server import ConnectionGuard, connection_caps, protocol_class, raise_nofile_limit
 from mllmd.daemon.metrics import Metrics
 from mllmd.daemon.model_slot import ModelSlot
 from mllmd.daemon.models import (
     ModelError,
     check_loadable,
     check_ml_stack,
+    check_tokenizer,
     inspect_model,
     resolve_in_models_dirs,
 )
+from mllmd.daemon.ratelimit import RateLimitedLog, RateLimitFilter
+from mllmd.daemon.state import STATE_FILE, Record, StateError, read_record, write_record
+from mllmd.daemon.state import probe as probe_state
 from mllmd.daemon.supervisor import WorkerPolicy
 from mllmd.messages import ControlResult, EngineStats, FlushCache, RequestFailed, TextOutputs
 from mllmd.openai.errors import APIError, bad_request, service_unavailable
+from mllmd.openai.limits import Limits
 from mllmd.telemetry.collector import TelemetryCollector
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd")
-STATE_FILE = "active-model.json"
+_errors = RateLimitedLog(logger)
+# What an admin load may override: the engine's settings, except the model folder itself.
+_OVERRIDABLE = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"model_path"}
 # Keys a reload (SIGHUP, POST /admin/reload) applies at once; the others need a restart or a model load.
 LIVE_KEYS = (
     "server.api_key", "server.api_key_file", "server.admin_api_key", "server.max_queued_requests",
     "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
     "server.media_dirs", "server.metrics_require_key", "model.models_dir", "logging.level",
+    "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
 )
 
 
@@ -63,12 +72,34 @@ class Notifier:
             self._n.notify(line)
 
 
-def _unix_listener(path: str) -> socket.socket:
+def _socket_answers(path: str) -> bool:
+    """Something accepts connections on the Unix socket `path` (a live daemon, not a stale file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False  # stale: nobody listens (a daemon that was killed)
+    except OSError:
+        return True  # EAGAIN (a full backlog), EACCES, a timeout: someone is there, or we cannot tell
+    else:
+        return True
+    finally:
+        probe.close()
+
+
+def _unix_listener(path: str, backlog: int = 512) -> tuple[socket.socket, tuple[int, int]]:
+    """Bind the Unix socket; a stale socket file is replaced, a live one (another daemon answers on it)
+    is an error. Returns the socket and the (device, inode) of its file, so that only our own file is
+    removed at exit."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     if p.exists() or p.is_symlink():
         if not stat.S_ISSOCK(p.lstat().st_mode):
             raise RuntimeError(f"server.unix_socket: {path} exists and is not a socket")
+        if _socket_answers(path):
+            raise RuntimeError(f"server.unix_socket: another daemon is listening on {path}; stop it first "
+                               "(or give this one another server.unix_socket)")
         p.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o117)
@@ -77,12 +108,24 @@ def _unix_listener(path: str) -> socket.socket:
     finally:
         os.umask(old)
     os.chmod(path, 0o660)
-    sock.listen(512)
+    sock.listen(backlog)
     sock.setblocking(False)
-    return sock
+    st = os.stat(path)
+    return sock, (st.st_dev, st.st_ino)
 
 
-def _tcp_listener(host: str, port: int) -> socket.socket:
+def _remove_own_socket(path: str, ident: tuple[int, int] | None) -> None:
+    """Unlink the Unix socket file if it is still the one we bound (another daemon may have replaced it)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if ident is not None and (st.st_dev, st.st_ino) == ident:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _tcp_listener(host: str, port: int, backlog: int = 512) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto=IPPROTO_TCP (not 0): asyncio turns Nagle off (TCP_NODELAY) only on sockets that say they are TCP,
     # and accepted sockets copy the listener's proto. With Nagle on, a small SSE write waits for the ACK of
@@ -91,7 +134,7 @@ def _tcp_listener(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
-    sock.listen(512)
+    sock.listen(backlog)
     sock.setblocking(False)
     return sock
 
@@ -119,6 +162,7 @@ class Daemon:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._controls: dict[str, asyncio.Future[ControlResult]] = {}
         self.retiring: set[ModelSlot] = set()  # slots finishing their requests before they stop
+        self.connections: ConnectionGuard | None = None  # set by serve()
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -135,14 +179,33 @@ class Daemon:
             return "degraded"
         return "ready" if self.active.ready else "loading"
 
-    def not_ready_reason(self) -> str | None:
+    @property
+    def limits(self) -> Limits:
+        """The request bounds that are configurable (server.max_json_depth, server.max_stop_length)."""
+        srv = self.config.server
+        return Limits(srv.max_json_depth, srv.max_stop_length)
+
+    def slots(self) -> list[ModelSlot]:
+        """Every slot that may hold requests: the active one, a loading one, retiring ones."""
+        return [s for s in (self.active, self.pending, *self.retiring) if s is not None]
+
+    def not_ready_reason(self, detail: bool = False) -> str | None:
+        """Why requests are refused now; None when ready. Without `detail` (what API clients and an
+        unauthenticated /health see): no paths, no load errors, no worker errors (those are in
+        /admin/status)."""
         state = self.state
         if state == "ready":
             return None
         if state == "idle":
-            return "no model is loaded" + (f" (last load failed: {self.load_error})" if self.load_error else "")
+            if not self.load_error:
+                return "no model is loaded"
+            return f"no model is loaded (last load failed: {self.load_error})" if detail else (
+                "no model is loaded (the last load failed; see mllmctl status)")
         if state == "degraded":
-            return f"degraded: {self.active.supervisor.degraded_reason}"  # type: ignore[union-attr]
+            sup = self.active.supervisor  # type: ignore[union-attr]
+            if detail:
+                return f"degraded: {sup.degraded_reason}"
+            return f"degraded: the {sup.degraded_worker} worker keeps failing (see mllmctl status)"
         if state == "draining":
             return "the server is draining: it accepts no new requests"
         return "the model is loading or a worker is restarting"
@@ -198,6 +261,23 @@ class Daemon:
             max_restarts=w.max_restarts, restart_window=w.restart_window, ready_timeout=w.ready_timeout,
         )
 
+    def _check_overrides(self, overrides: Any) -> dict[str, Any]:
+        """Model overrides from the admin API or the state record: engine settings only, never the model
+        path, and a tokenizer_path that resolves inside model.models_dir (returned resolved)."""
+        if not isinstance(overrides, dict):
+            raise ModelError("'overrides' must be an object of model settings")
+        out: dict[str, Any] = {}
+        for key, value in overrides.items():
+            if key == "model_path":
+                raise ModelError("overrides.model_path is not allowed: name the model folder in 'model' "
+                                 "(it must be inside model.models_dir)")
+            if key not in _OVERRIDABLE:
+                raise ModelError(f"unknown model override {key[:100]!r} (known: {', '.join(sorted(_OVERRIDABLE))})")
+            if key == "tokenizer_path" and value is not None:
+                value = str(resolve_in_models_dirs(value, self.config.model.models_dir, "overrides.tokenizer_path"))
+            out[key] = value
+        return out
+
     def _engine_for(self, path: str, overrides: dict[str, Any]) -> EngineConfig:
         engine = self.config.engine_config(path)
         if overrides:
@@ -209,8 +289,13 @@ class Daemon:
                 raise ModelError(f"bad model override {e}") from None
         return engine
 
-    def begin_load(self, path: str, overrides: dict[str, Any], served_name: str | None = None) -> str:
-        """Validate, then start loading `path` in a new slot (a hot swap if a model is active)."""
+    def begin_load(self, path: str, overrides: dict[str, Any], served_name: str | None = None,
+                   strict_record: bool = True, fallback: str | None = None) -> str:
+        """Validate, then start loading `path` in a new slot (a hot swap if a model is active).
+
+        `strict_record`: the load fails if it cannot be recorded in the state folder (admin loads; at
+        boot a failure to record is only logged). `fallback`: a model to load instead if this one fails
+        (a recorded model at boot falls back to model.path)."""
         if self.pending is not None:
             raise ModelError(f"a load is already in progress ({self.pending.engine.model_path})")
         check_ml_stack()
@@ -221,10 +306,13 @@ class Daemon:
         except ConfigError as e:
             raise ModelError(str(e)) from None
         engine = self._engine_for(path, overrides)
+        check_tokenizer(engine.tokenizer_path or path)
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
-                         self._on_slot_message, self._on_worker_lost)
+                         self._on_slot_message, self._on_worker_lost, self.config.model.chat_template)
         slot.overrides = overrides  # type: ignore[attr-defined]
+        slot.strict_record = strict_record  # type: ignore[attr-defined]
+        slot.fallback = fallback  # type: ignore[attr-defined]
         self.pending, self.load_error, self.draining = slot, None, False
         slot.start()
         self.notifier.send(f"STATUS=loading {name}")
@@ -232,21 +320,31 @@ class Daemon:
         return f"loading {name} from {path}" + (" (hot swap: the current model serves until it is ready)"
                                                    if self.active is not None else "")
 
-    async def load_model(self, ref: str, overrides: dict[str, Any]) -> str:
-        """Admin load: `ref` must resolve inside a models dir."""
+    async def load_model(self, ref: str, overrides: Any) -> str:
+        """Admin load: `ref` and every path among the overrides must resolve inside model.models_dir, and
+        the state folder must be writable (else the load is refused: a restart would not repeat it)."""
         path = resolve_in_models_dirs(ref, self.config.model.models_dir)
-        return self.begin_load(str(path), overrides)
+        checked = self._check_overrides(overrides)
+        try:
+            probe_state(state_dir())
+        except StateError as e:
+            raise APIError(500, f"{e}; the load was refused, since a restart would not load this model",
+                           "server_error", None, "state_not_writable") from None
+        return self.begin_load(str(path), checked)
 
     async def unload_model(self) -> str:
+        try:
+            self._record_active(None, {}, strict=True)  # first: a refused unload changes nothing
+        except StateError as e:
+            raise APIError(500, f"{e}; nothing was unloaded, since a restart would load the model again",
+                           "server_error", None, "state_not_writable") from None
         if self.pending is not None:
             slot, self.pending = self.pending, None
             await slot.stop()
         if self.active is None:
-            self._record_active(None, {})
             return "no model was loaded"
         slot, self.active = self.active, None
         self.metrics.clear_model()
-        self._record_active(None, {})
         self._retire(slot, drain=True)
         return f"unloading {slot.served_name}: requests in flight finish first"
 
@@ -270,35 +368,60 @@ class Daemon:
             self._controls.pop(cid, None)
         return f"flushed the prefix cache: {result.freed_tokens} cached tokens freed (entries in use kept)"
 
-    def _record_active(self, path: str | None, overrides: dict[str, Any]) -> None:
-        """Remember the active model so a restart loads it again."""
+    def _record_active(self, path: str | None, overrides: dict[str, Any], strict: bool) -> None:
+        """Remember the active model so a restart loads it again (nothing is written when the record
+        already says so). A failure raises StateError when `strict`, else it is logged."""
         d = state_dir()
+        record = Record(path, overrides, self.config.model.path)
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            tmp = d / (STATE_FILE + ".tmp")
-            # boot_default: model.path when this was recorded; if the configuration names another model
-            # later, the operator changed it on purpose and that wins over this record.
-            tmp.write_text(json.dumps({"path": path, "overrides": overrides, "boot_default": self.config.model.path}))
-            os.replace(tmp, d / STATE_FILE)
-        except OSError as e:
-            logger.warning("cannot record the active model in %s: %s", d, e)
+            if read_record(d)[0] != record:
+                write_record(d, record)
+        except StateError as e:
+            if strict:
+                raise
+            logger.warning("%s (a restart may load another model)", e)
 
-    def _boot_model(self) -> tuple[str | None, dict[str, Any]]:
-        """The model to load at start: the recorded one if any, else model.path from the config."""
+    def _config_model(self) -> str | None:
+        return self.config.engine_config().model_path if self.config.model.path else None
+
+    def _boot_model(self) -> tuple[str | None, dict[str, Any], bool]:
+        """The model to load at start: (path, overrides, from the record). The recorded one if it can
+        be used, else model.path: whatever the state file holds, the reason it is not used is logged."""
         f = state_dir() / STATE_FILE
-        if f.is_file():
-            try:
-                rec = json.loads(f.read_text())
-                path = rec.get("path")
-                if rec.get("boot_default") != self.config.model.path:
-                    logger.info("model.path changed since %s was written; loading model.path", f)
-                elif path is None or Path(path).is_dir():
-                    return path, dict(rec.get("overrides") or {})
-                else:
-                    logger.warning("recorded model %s is gone; using model.path", path)
-            except (OSError, ValueError) as e:
-                logger.warning("ignoring unreadable %s: %s", f, e)
-        return (self.config.engine_config().model_path if self.config.model.path else None), {}
+        rec, why = read_record(state_dir())
+        if rec is None:
+            if why:
+                logger.warning("ignoring %s: %s; loading model.path", f, why)
+            return self._config_model(), {}, False
+        if rec.boot_default != self.config.model.path:
+            logger.info("model.path changed since %s was written; loading model.path", f)
+            return self._config_model(), {}, False
+        if rec.path is None:
+            return None, {}, True  # unloaded on purpose: boot idle
+        try:
+            configured = self._config_model()
+            if configured is not None and Path(rec.path).resolve() == Path(configured).resolve():
+                path = str(Path(rec.path).resolve())
+            else:
+                path = str(resolve_in_models_dirs(rec.path, self.config.model.models_dir))
+            return path, self._check_overrides(rec.overrides), True
+        except ModelError as e:
+            logger.warning("the model recorded in %s cannot be loaded (%s); loading model.path", f, e)
+            return self._config_model(), {}, False
+
+    def _load_at_boot(self, path: str, overrides: dict[str, Any], fallback: str | None) -> None:
+        """Start the boot load; if it is refused at once and there is a fallback (model.path instead of
+        a recorded model), load that. Never raises: the daemon serves /health and the admin API anyway."""
+        try:
+            self.begin_load(path, overrides, self.config.served_model_name(path), strict_record=False,
+                            fallback=fallback)
+            return
+        except Exception as e:  # ModelError, or anything a corrupted record could lead to
+            self.load_error = f"cannot load {path}: {e}"
+            logger.error("%s", self.load_error)
+        if fallback:
+            logger.warning("loading model.path (%s) instead of the recorded model", fallback)
+            self._load_at_boot(fallback, {}, None)
 
     def _on_worker_lost(self, slot: ModelSlot, name: str, reason: str) -> None:
         if slot is self.pending:
@@ -325,6 +448,8 @@ class Daemon:
                 st = slot.rm.reqs.get(item.rid)
                 if st is not None:
                     self.metrics.on_output(item.rid, item, st.created)
+                elif item.finished:  # its handler gave it up (client gone, admin abort): its timeline goes
+                    self.metrics.forget(item.rid)
         elif isinstance(msg, RequestFailed):
             for r in slot.rm.groups.get(msg.rid, [msg.rid]):
                 self.metrics.forget(r)
@@ -340,11 +465,20 @@ class Daemon:
         sup = slot.supervisor
         failed = next((h for h in sup.workers.values() if h.restarts > 0), None)
         if slot.ready:
+            try:
+                self._record_active(slot.engine.model_path, getattr(slot, "overrides", {}),
+                                    strict=getattr(slot, "strict_record", True))
+            except StateError as e:
+                self.load_error = (f"loading {slot.engine.model_path} failed: {e}; the model was not switched "
+                                   "to, so that a restart serves what runs now")
+                logger.error("%s", self.load_error)
+                self.pending = None
+                self._retire(slot, drain=False)
+                return
             old, self.active, self.pending = self.active, slot, None
             d = slot.describe()
             self.metrics.set_model(slot.served_name, d["architecture"], d["dtype"], d["quantization"] or "none")
             self.metrics.observe_model_load(slot.load_seconds or 0.0, slot.served_name)
-            self._record_active(slot.engine.model_path, getattr(slot, "overrides", {}))
             logger.info("model %s ready in %.1f s", slot.served_name, slot.load_seconds or 0.0)
             if old is not None:
                 self._retire(old, drain=True)
@@ -354,27 +488,40 @@ class Daemon:
             logger.error("%s", self.load_error)
             self.pending = None
             self._retire(slot, drain=False)
+            fallback = getattr(slot, "fallback", None)
+            if fallback:
+                logger.warning("the recorded model did not load; loading model.path (%s) instead", fallback)
+                self._load_at_boot(fallback, {}, None)
 
     # ---- loops -------------------------------------------------------------------------------
     async def _supervise_loop(self) -> None:
-        last_state = None
+        """Watch the workers and the state, every 0.1 s, for as long as the daemon runs: an exception in
+        one round (the machine out of file descriptors, a bug) is logged, rate-limited, and the next
+        round tries again; the loop itself never ends."""
+        last_state: list[str | None] = [None]
         while True:
-            if not self.stopping:
-                if self.pending is not None:
-                    self.pending.supervisor.check()
-                    self._watch_pending()
-                if self.active is not None:
-                    self.active.supervisor.check()
-            state = self.state
-            if state != last_state:
-                logger.info("state: %s", state)
-                self.metrics.set_up(state == "ready")
-                if state in ("ready", "idle") and not self._announced_ready and self.pending is None:
-                    self.notifier.send("READY=1")
-                    self._announced_ready = True
-                self.notifier.send(f"STATUS={state}" + (f" ({self.served_model_name})" if self.served_model_name else ""))
-                last_state = state
+            try:
+                self._supervise_once(last_state)
+            except Exception:
+                _errors.exception("supervise", "the supervisor's round failed; retrying")
             await asyncio.sleep(0.1)
+
+    def _supervise_once(self, last_state: list[str | None]) -> None:
+        if not self.stopping:
+            if self.pending is not None:
+                self.pending.supervisor.check()
+                self._watch_pending()
+            if self.active is not None:
+                self.active.supervisor.check()
+        state = self.state
+        if state != last_state[0]:
+            logger.info("state: %s", state)
+            self.metrics.set_up(state == "ready")
+            if state in ("ready", "idle") and not self._announced_ready and self.pending is None:
+                self.notifier.send("READY=1")
+                self._announced_ready = True
+            self.notifier.send(f"STATUS={state}" + (f" ({self.served_model_name})" if self.served_model_name else ""))
+            last_state[0] = state
 
     async def _watchdog_loop(self) -> None:
         usec = knobs.watchdog_usec()
@@ -396,7 +543,7 @@ class Daemon:
         snap = self.telemetry.latest().to_dict()
         return {
             "state": self.state,
-            "reason": self.not_ready_reason(),
+            "reason": self.not_ready_reason(detail=True),
             "model": slot.describe() if slot is not None else None,
             "load": {
                 "in_progress": pend is not None,
@@ -410,13 +557,18 @@ class Daemon:
             "workers": slot.supervisor.status() if slot is not None else [],
             "requests": {"running": stats.running if stats is not None else 0,
                          "waiting": stats.waiting if stats is not None else 0,
-                         "in_flight": slot.rm.num_in_flight if slot is not None else 0},
+                         "in_flight": slot.rm.num_in_flight if slot is not None else 0,
+                         # what main keeps per request (all 0 when idle: nothing may accumulate)
+                         "tracked": {"requests": sum(s.rm.num_in_flight for s in self.slots()),
+                                     "groups": sum(s.rm.num_groups for s in self.slots()),
+                                     "metrics": self.metrics.num_tracked}},
             "kv_cache": {"total_tokens": total, "free_tokens": kv.free, "cached_tokens": kv.cached,
                          "usage_ratio": round(used / total, 4)} if kv is not None and total else {},
             "memory": {"used_bytes": snap.get("memory_used_bytes"), "total_bytes": snap.get("memory_total_bytes"),
                        "gpu_used_bytes": snap.get("gpu_memory_used_bytes"),
                        "gpu_total_bytes": snap.get("gpu_memory_total_bytes")},
             "telemetry_sources": snap.get("sources"),
+            "connections": self.connections.stats() if self.connections is not None else None,
             "config": self.config.redacted(),
         }
 
@@ -457,20 +609,30 @@ class Daemon:
         loop.add_signal_handler(signal.SIGTERM, self._stop.set)
         loop.add_signal_handler(signal.SIGINT, self._stop.set)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        loop.set_exception_handler(_loop_exception)
+        logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())
         srv = self.config.server
-        sockets = [_tcp_listener(srv.host, srv.port)]
+        caps = connection_caps(srv.max_connections, srv.max_unix_connections, raise_nofile_limit())
+        self.connections = ConnectionGuard(caps, srv.header_timeout, srv.max_header_bytes)
+        sockets = [_tcp_listener(srv.host, srv.port, caps.backlog)]
+        uds_ident = None
         if srv.unix_socket:
-            sockets.append(_unix_listener(srv.unix_socket))
+            uds, uds_ident = _unix_listener(srv.unix_socket, caps.backlog)
+            sockets.append(uds)
+        if caps.tcp < srv.max_connections:
+            logger.warning("the open-file limit (%d) allows %d TCP connections, not server.max_connections=%d",
+                           caps.nofile, caps.tcp, srv.max_connections)
         self.telemetry.start()
-        path, overrides = self._boot_model()
+        path, overrides, recorded = self._boot_model()
         if path:
-            try:
-                self.begin_load(path, overrides, self.config.served_model_name(path))
-            except ModelError as e:
-                self.load_error = f"cannot load {path}: {e}"
-                logger.error("%s", self.load_error)
+            configured = self._config_model()
+            # a recorded model (or model.path with recorded overrides) falls back to plain model.path
+            fallback = configured if recorded and configured and (configured != path or overrides) else None
+            self._load_at_boot(path, overrides, fallback)
         app = build_app(self)
-        uconfig = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+        uconfig = uvicorn.Config(app, http=protocol_class(self.connections), lifespan="off", log_level="warning",
+                                 access_log=False, timeout_graceful_shutdown=1, backlog=caps.backlog,
+                                 timeout_keep_alive=srv.keepalive_timeout)  # type: ignore[arg-type]
         server = uvicorn.Server(uconfig)
         # SIGTERM/SIGINT are ours (drain first); uvicorn >= 0.29 would otherwise take them and stop at once
         server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
@@ -495,7 +657,7 @@ class Daemon:
                 await slot.stop()
         await asyncio.to_thread(self.telemetry.stop)
         if srv.unix_socket:
-            Path(srv.unix_socket).unlink(missing_ok=True)
+            _remove_own_socket(srv.unix_socket, uds_ident)
         self.zctx.destroy(linger=0)
         return 0
 
@@ -513,6 +675,14 @@ class Daemon:
         # fail first (rm.abort would forget them silently and leave their handlers waiting), then abort
         slot.rm.fail_all("the server is shutting down")
         await self._abort_in_scheduler(slot, rids)
+
+
+def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's errors (e.g. accept() out of file descriptors, repeated for every wake-up): logged
+    once, then rate-limited."""
+    exc = context.get("exception")
+    message = context.get("message") or "asyncio error"
+    _errors.log(f"loop:{message}:{type(exc).__name__}", logging.ERROR, "%s%s", message, f": {exc!r}" if exc else "")
 
 
 def _setup_logging(config: DaemonConfig) -> None:

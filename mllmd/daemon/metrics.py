@@ -311,6 +311,11 @@ class Metrics:
             self.on_request_finished(item.finish_reason or "stop", tl.prompt_tokens, tl.completion_tokens,
                                      tl.cached_tokens, tl.arrival, tl.first_token, now, tl.token_times)
 
+    @property
+    def num_tracked(self) -> int:
+        """Requests whose timeline is kept (until their finished item, or forget)."""
+        return len(self._timelines)
+
     def forget(self, rid: str) -> None:
         """Drop a request that ended without a finished item (error, worker lost, client abort)."""
         with self._lock:

@@ -21,6 +21,7 @@ import zmq.asyncio
 from mllmd import knobs
 from mllmd.config import EngineConfig
 from mllmd.daemon.models import ModelFacts
+from mllmd.daemon.ratelimit import RateLimitedLog
 from mllmd.daemon.request_manager import RequestManager
 from mllmd.daemon.supervisor import Supervisor, WorkerPolicy
 from mllmd.messages import (
@@ -36,6 +37,7 @@ from mllmd.messages import (
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd.slot")
+_errors = RateLimitedLog(logger)
 
 # Share of a load that each worker's readiness stands for (the scheduler loads the weights).
 _LOAD_WEIGHT = {ipc.TOKENIZER: 0.1, ipc.DETOKENIZER: 0.1, ipc.SCHEDULER: 0.8}
@@ -61,6 +63,7 @@ class ModelSlot:
         zctx: zmq.asyncio.Context,
         on_message: Callable[[ModelSlot, Any], None],
         on_lost: Callable[[ModelSlot, str, str], None],
+        chat_template: str | None = None,
     ) -> None:
         self.engine = engine
         self.facts = facts
@@ -73,6 +76,7 @@ class ModelSlot:
             "tokenizer_path": engine.tokenizer_path or engine.model_path,
             "heartbeat_interval": policy.heartbeat_interval,
             "log_level": log_level,
+            "chat_template": chat_template,
         }
         self.supervisor = Supervisor(self.ipc_dir, settings, policy, lambda w, r: on_lost(self, w, r))
         self._on_message = on_message
@@ -139,16 +143,24 @@ class ModelSlot:
 
     # ---- messages ----------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
+        """Every message from the workers; one that cannot be read or handled is logged (rate-limited)
+        and skipped: the loop never ends while the slot lives (requests would wait forever)."""
         decode = decoder(MainInbox).decode
         while True:
-            msg = decode(await self.inbox.recv())
-            self._on_message(self, msg)  # first: metrics read the request state before delivery drops it
-            if isinstance(msg, (Heartbeat, WorkerReady, WorkerFatal)):
-                self.supervisor.on_message(msg)
-                if isinstance(msg, WorkerReady) and self.ready and self.load_seconds is None:
-                    self.load_seconds = time.monotonic() - self.load_started
-            elif isinstance(msg, EngineStats):
-                self.engine_stats = msg
-            elif isinstance(msg, (TextOutputs, RequestFailed)):
-                for rid in self.rm.deliver(msg):
-                    await self.rm.send_abort(rid)
+            data = await self.inbox.recv()
+            try:
+                await self._handle(decode(data))
+            except Exception:
+                _errors.exception("recv", "a message from the workers could not be handled")
+
+    async def _handle(self, msg: Any) -> None:
+        self._on_message(self, msg)  # first: metrics read the request state before delivery drops it
+        if isinstance(msg, (Heartbeat, WorkerReady, WorkerFatal)):
+            self.supervisor.on_message(msg)
+            if isinstance(msg, WorkerReady) and self.ready and self.load_seconds is None:
+                self.load_seconds = time.monotonic() - self.load_started
+        elif isinstance(msg, EngineStats):
+            self.engine_stats = msg
+        elif isinstance(msg, (TextOutputs, RequestFailed)):
+            for rid in self.rm.deliver(msg):
+                await self.rm.send_abort(rid)

@@ -1,7 +1,9 @@
 """Model folders: discovery under the models dirs, and validation before a load (main process, no torch).
 
-Validation reads only config.json and the safetensors headers, so a bad folder is refused with a
-message that says what is wrong before any worker starts.
+Validation reads only config.json, the safetensors headers and the names of the tokenizer files, so
+a bad folder is refused with a message that says what is wrong before any worker starts. Every path
+a client of the admin API names (a model, an override's tokenizer_path) must resolve, symlinks
+followed, inside `model.models_dir`; the listing never reads a folder that resolves outside it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ from typing import Any
 
 from mllmd.models import SUPPORTED_ARCHITECTURES
 from mllmd.models.weight_files import INDEX_NAME, WeightFilesError, weight_files
+
+MAX_PATH_CHARS = 4096  # PATH_MAX
+MAX_NAME_BYTES = 255  # NAME_MAX: one path component
+# A usable tokenizer: the fast tokenizer's file, or a BPE vocabulary with its merges, or SentencePiece.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -136,34 +143,90 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
     return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token)
 
 
+def _inside(real: Path, allowed: list[Path]) -> bool:
+    return any(real == a or a in real.parents for a in allowed)
+
+
 def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
-    """Every model folder (one holding config.json) directly under the models dirs."""
+    """Every model folder (one holding config.json) directly under the models dirs. An entry that
+    resolves outside them (a symlink to elsewhere) is listed with an error and never read."""
     out = []
     for d in models_dirs:
         base = Path(d)
-        if not base.is_dir():
-            continue
-        for sub in sorted(base.iterdir()):
-            if not (sub / "config.json").is_file():
+        try:
+            if not base.is_dir():
                 continue
+            allowed = [base.resolve()]
+            entries = sorted(base.iterdir())
+        except (OSError, ValueError):
+            continue
+        for sub in entries:
             try:
-                out.append(inspect_model(sub).to_dict() | {"error": None})
+                if not _inside(sub.resolve(), allowed):
+                    if sub.is_dir():
+                        out.append({"name": sub.name, "path": str(sub), "error": "a link to a folder outside "
+                                    "model.models_dir: not read, and not loadable"})
+                    continue
+                if not (sub / "config.json").is_file():
+                    continue
+                facts = inspect_model(sub).to_dict()
+                check_tokenizer(sub)
+                out.append(facts | {"error": None})
             except ModelError as e:
                 out.append({"name": sub.name, "path": str(sub), "error": str(e)})
+            except (OSError, ValueError, RuntimeError) as e:  # unreadable, a link loop
+                out.append({"name": sub.name, "path": str(sub), "error": f"cannot read it: {e}"})
     return out
 
 
-def resolve_in_models_dirs(ref: str, models_dirs: list[str] | tuple[str, ...]) -> Path:
-    """A path or a bare folder name, which must resolve (symlinks followed) inside a models dir."""
-    candidates = [Path(ref)] if os.sep in ref or ref.startswith(".") else [Path(d) / ref for d in models_dirs]
-    allowed = [Path(d).resolve() for d in models_dirs]
-    for c in candidates:
-        real = c.resolve()
-        if not any(real == a or a in real.parents for a in allowed):
-            raise ModelError(f"{ref} is outside the allowed models dirs ({', '.join(map(str, models_dirs))})")
-        if real.is_dir():
-            return real
-    raise ModelError(f"no model folder {ref!r} under {', '.join(map(str, models_dirs))}")
+def check_path_text(ref: Any, what: str = "model") -> str:
+    """A path given by a client: a non-empty string without NUL, at most PATH_MAX characters, no
+    component longer than NAME_MAX bytes (ModelError otherwise: never an OSError later)."""
+    if not isinstance(ref, str) or not ref:
+        raise ModelError(f"{what} must be a non-empty string (a folder path or a folder name under model.models_dir)")
+    if "\0" in ref:
+        raise ModelError(f"{what} must not contain a NUL character")
+    if len(ref) > MAX_PATH_CHARS:
+        raise ModelError(f"{what} is {len(ref)} characters long; paths are at most {MAX_PATH_CHARS}")
+    try:
+        too_long = any(len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES for part in ref.split("/"))
+    except UnicodeError:
+        raise ModelError(f"{what} is not a valid path") from None
+    if too_long:
+        raise ModelError(f"{what} has a path component longer than {MAX_NAME_BYTES} bytes")
+    return ref
+
+
+def resolve_in_models_dirs(ref: str, models_dirs: list[str] | tuple[str, ...], what: str = "model") -> Path:
+    """A path or a bare folder name, which must resolve (symlinks followed) inside a models dir
+    (`model.models_dir`); ModelError names the rule."""
+    check_path_text(ref, what)
+    dirs = ", ".join(map(str, models_dirs)) or "none configured"
+    try:
+        candidates = [Path(ref)] if os.sep in ref or ref.startswith(".") else [Path(d) / ref for d in models_dirs]
+        allowed = [Path(d).resolve() for d in models_dirs]
+        for c in candidates:
+            real = c.resolve()
+            if not _inside(real, allowed):
+                raise ModelError(f"{ref} is outside the allowed models dirs (model.models_dir: {dirs}); "
+                                 "only folders inside them can be loaded over the admin API")
+            if real.is_dir():
+                return real
+    except (OSError, ValueError, RuntimeError) as e:  # ENAMETOOLONG, ELOOP, a bad character
+        raise ModelError(f"{what} {ref[:200]!r} cannot be resolved: {getattr(e, 'strerror', None) or e}") from None
+    raise ModelError(f"no model folder {ref!r} under {dirs} (model.models_dir)")
+
+
+def check_tokenizer(folder: str | os.PathLike[str]) -> None:
+    """Refuse a folder without tokenizer files (transformers would build an empty tokenizer from it,
+    and every request would then fail)."""
+    root = Path(folder)
+    for names in TOKENIZER_FILES:
+        if all((root / n).is_file() and (root / n).stat().st_size > 0 for n in names):
+            return
+    wanted = " or ".join(" + ".join(names) for names in TOKENIZER_FILES)
+    raise ModelError(f"{root} has no usable tokenizer ({wanted}); copy the model's tokenizer files into it, "
+                     "or set model.tokenizer_path")
 
 
 def _mem_available() -> int | None:

@@ -1,16 +1,18 @@
 """RequestManager (main process): rid -> request state, asyncio queues for results, abort on disconnect.
 
 Results come back from the detokenizer; errors from any worker. When a worker is lost, every request
-in flight fails at once with a 503 (nothing hangs).
+in flight fails at once with a 503 (nothing hangs). Request ids carry 128 random bits: they cannot be
+guessed from one's own. A request registered here is always released: by its last result, by an
+error, by its handler (client gone, any exception), or by an admin abort, which also wakes the
+handler with a final "abort" item.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
-import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ from mllmd.messages import (
     GenerateRequest,
     OutputBudget,
     Prompt,
+    PromptMeta,
     RequestFailed,
     TextOutput,
     TextOutputs,
@@ -48,6 +51,7 @@ class RequestState:
     created: float = field(default_factory=time.monotonic)
     finished: bool = False
     owner: Any = None  # the RequestManager (of one model slot) that holds this request
+    last: TextOutput | None = None  # the latest output delivered (its token counts end an admin abort)
 
 
 class RequestManager:
@@ -56,11 +60,12 @@ class RequestManager:
         self.to_scheduler = ipc.push(ctx, ipc_dir, ipc.SCHEDULER)  # type: ignore[arg-type]
         self.reqs: dict[str, RequestState] = {}
         self.groups: dict[str, list[str]] = {}
-        self._ids = itertools.count()
-        self._prefix = os.urandom(4).hex()
 
-    def new_rid(self) -> str:
-        return f"{self._prefix}-{next(self._ids)}"
+    @staticmethod
+    def new_rid() -> str:
+        """A group id with 128 random bits (a 32-bit hex tag, then 96 bits in decimal); its choices are
+        `<group>.<i>`. Nothing about one id tells another."""
+        return f"{secrets.token_hex(4)}-{secrets.randbits(96)}"
 
     async def submit(
         self,
@@ -92,14 +97,23 @@ class RequestManager:
         self.groups[group] = rids
         logger.debug("submit %s", group)
         t_submit = time.perf_counter()  # for the scheduler's MLLMD_STEP_TRACE
-        if direct is None:
-            await self.to_tokenizer.send(encode(TokenizeRequest(group, rids, prompt, params, budget, prompt_param,
-                                                                t_submit)))
+        sent: list[str] = []
+        try:
+            if direct is None:
+                await self.to_tokenizer.send(encode(TokenizeRequest(group, rids, prompt, params, budget,
+                                                                    prompt_param, t_submit)))
+                return states
+            assert isinstance(prompt, TokenPrompt)
+            for rid, p in zip(rids, direct):
+                await self.to_scheduler.send(encode(GenerateRequest(rid, prompt.ids, p, t_submit=t_submit)))
+                sent.append(rid)
             return states
-        assert isinstance(prompt, TokenPrompt)
-        for rid, p in zip(rids, direct):
-            await self.to_scheduler.send(encode(GenerateRequest(rid, prompt.ids, p, t_submit=t_submit)))
-        return states
+        except BaseException:  # nothing may stay registered (an encode error, a cancelled handler)
+            for s in states:
+                self._drop(s.rid)
+            for rid in sent:
+                self._abort_nowait(rid)
+            raise
 
     def _drop(self, rid: str) -> RequestState | None:
         """Stop tracking `rid`; its group goes with its last choice."""
@@ -112,9 +126,35 @@ class RequestManager:
         return state
 
     async def abort(self, rid: str) -> None:
+        """The handler of `rid` gives it up (client gone, error): forget it, stop it in the engine."""
         state = self._drop(rid)
         if state is not None:
             await self.send_abort(rid)
+
+    async def abort_by_admin(self, rid: str) -> list[str]:
+        """Abort a request (a choice id, or a group id for all its choices) and wake its handler with a
+        final "abort" item; returns the choice ids aborted (none: no such request here)."""
+        rids = [r for r in self.groups.get(rid, [rid]) if r in self.reqs]
+        for r in rids:
+            state = self._drop(r)
+            assert state is not None
+            last = state.last
+            state.queue.put_nowait(TextOutput(
+                rid=r, text="", token_ids=[], finished=True, finish_reason="abort", matched_stop=None,
+                matched_stop_str=None, prompt_tokens=last.prompt_tokens if last else 0,
+                completion_tokens=last.completion_tokens if last else 0,
+                cached_tokens=last.cached_tokens if last else 0, meta=last.meta if last else PromptMeta(),
+            ))
+            await self.send_abort(r)
+        return rids
+
+    def _abort_nowait(self, rid: str) -> None:
+        """send_abort without awaiting (from a cancelled task); a full queue drops it (the engine's
+        output for an unknown request is answered with an abort anyway: see deliver)."""
+        try:
+            self.to_scheduler.send(encode(AbortRequest(rid)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
 
     async def send_abort(self, rid: str) -> None:
         """Tell the scheduler to stop `rid` (which main no longer tracks)."""
@@ -135,6 +175,7 @@ class RequestManager:
                         stale.append(item.rid)
                     continue
                 state.queue.put_nowait(item)
+                state.last = item
                 if item.finished:
                     self._drop(item.rid)
                     if item.finish_reason == "stop" and item.matched_stop_str:
@@ -161,3 +202,7 @@ class RequestManager:
     @property
     def num_in_flight(self) -> int:
         return len(self.reqs)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)

@@ -2,7 +2,10 @@
 
 A worker that exits, reports a fatal error, or misses heartbeats (a SIGSTOPped process sends none)
 is killed and restarted after an exponential backoff. More than `max_restarts` restarts within
-`restart_window` seconds leaves the daemon `degraded` (HTTP stays up; status says why).
+`restart_window` seconds leaves the daemon `degraded` (HTTP stays up; status says why). A worker
+that cannot even be started (no file descriptors left, no memory: Popen raises) is retried with the
+same backoff, without counting as a crash: it is the machine, not the worker; the error is logged
+rate-limited and shown in status.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mllmd.daemon.ratelimit import RateLimitedLog
 from mllmd.messages import Heartbeat, WorkerFatal, WorkerReady
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd.supervisor")
+_errors = RateLimitedLog(logger)
 
 
 @dataclass
@@ -50,6 +55,7 @@ class WorkerHandle:
     next_start: float = 0.0
     backoff: float = 0.0
     last_error: str | None = None
+    requests: int | None = None  # requests it holds state for (from its last heartbeat)
 
     @property
     def pid(self) -> int | None:
@@ -77,6 +83,7 @@ class Supervisor:
         os.chmod(self.settings_path, 0o600)
         self.workers = {name: WorkerHandle(name) for name in ipc.WORKERS}
         self.degraded_reason: str | None = None
+        self.degraded_worker: str | None = None  # the worker that gave up (named in public reasons)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start_all(self) -> None:
@@ -88,9 +95,18 @@ class Supervisor:
             sys.executable, "-m", f"mllmd.workers.{h.name}_worker",
             "--ipc-dir", str(self.ipc_dir), "--settings", str(self.settings_path),
         ]
-        h.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=False)
+        h.ready, h.requests = False, None
+        try:
+            h.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=False)
+        except (OSError, subprocess.SubprocessError) as e:  # EMFILE, ENOMEM, EAGAIN: try again later
+            now = time.monotonic()
+            h.proc = None
+            h.backoff = min(self.policy.backoff_max, max(self.policy.backoff_initial, h.backoff * 2))
+            h.next_start = now + h.backoff
+            h.last_error = f"cannot start the {h.name} worker: {e}"
+            _errors.log(f"spawn:{h.name}", logging.ERROR, "%s; retrying in %.1f s", h.last_error, h.backoff)
+            return
         h.started_at = h.last_heartbeat = time.monotonic()
-        h.ready = False
         logger.info("started %s worker (pid %d)", h.name, h.proc.pid)
 
     def stop_all(self, timeout: float = 5.0) -> None:
@@ -121,6 +137,7 @@ class Supervisor:
         now = time.monotonic()
         if isinstance(msg, Heartbeat):
             h.last_heartbeat = now
+            h.requests = msg.requests
         elif isinstance(msg, WorkerReady):
             h.ready, h.ready_info, h.last_heartbeat = True, msg, now
             h.backoff = 0.0
@@ -132,21 +149,27 @@ class Supervisor:
         """Detect dead or hung workers, kill and schedule restarts; start due restarts."""
         now = time.monotonic()
         for h in self.workers.values():
-            if h.proc is None:
-                if self.degraded_reason is None and now >= h.next_start:
-                    self._spawn(h)
-                continue
-            code = h.proc.poll()
-            limit = self.policy.heartbeat_timeout if h.ready else self.policy.ready_timeout
-            if code is not None:
-                reason = f"{h.name} worker exited with status {code}" + (f": {h.last_error}" if h.last_error else "")
-            elif now - h.last_heartbeat > limit:
-                reason = f"{h.name} worker sent no heartbeat for {now - h.last_heartbeat:.1f} s"
-                h.proc.kill()
-                h.proc.wait()
-            else:
-                continue
-            self._lost(h, reason, now)
+            try:
+                self._check_one(h, now)
+            except Exception:  # never let one worker's trouble stop the checks of the others
+                _errors.exception(f"check:{h.name}", "checking the %s worker failed", h.name)
+
+    def _check_one(self, h: WorkerHandle, now: float) -> None:
+        if h.proc is None:
+            if self.degraded_reason is None and now >= h.next_start:
+                self._spawn(h)
+            return
+        code = h.proc.poll()
+        limit = self.policy.heartbeat_timeout if h.ready else self.policy.ready_timeout
+        if code is not None:
+            reason = f"{h.name} worker exited with status {code}" + (f": {h.last_error}" if h.last_error else "")
+        elif now - h.last_heartbeat > limit:
+            reason = f"{h.name} worker sent no heartbeat for {now - h.last_heartbeat:.1f} s"
+            h.proc.kill()
+            h.proc.wait()
+        else:
+            return
+        self._lost(h, reason, now)
 
     def _lost(self, h: WorkerHandle, reason: str, now: float) -> None:
         logger.error("%s; restarting", reason)
@@ -161,6 +184,7 @@ class Supervisor:
             self.degraded_reason = (
                 f"{reason}; {len(h.restart_times)} restarts within {self.policy.restart_window:.0f} s, giving up"
             )
+            self.degraded_worker = h.name
             logger.error("degraded: %s", self.degraded_reason)
         self.on_worker_lost(h.name, reason)
 
@@ -175,6 +199,7 @@ class Supervisor:
                 "restarts": h.restarts,
                 "seconds_since_heartbeat": round(now - h.last_heartbeat, 3) if h.proc is not None else None,
                 "last_error": h.last_error,
+                "requests": h.requests,
             }
             for h in self.workers.values()
         ]

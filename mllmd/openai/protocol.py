@@ -6,18 +6,34 @@ whose ``param`` names the offending field (``messages[2].content[0].type``,
 fields OpenAI defines that mllmd does not implement (``UNSUPPORTED_CHAT_FIELDS``,
 ``UNSUPPORTED_COMPLETION_FIELDS``): those are refused rather than silently dropped. The native
 endpoint's ``sampling_params`` object is strict: an unknown key there is an error (a typo such as
-``max_tokens`` for ``max_new_tokens`` would otherwise go unnoticed).
+``max_tokens`` for ``max_new_tokens`` would otherwise go unnoticed). Every field is bounded in size
+(mllmd.openai.limits): what passes the parser can always be forwarded to the workers.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mllmd.messages import OutputBudget
 from mllmd.openai.errors import APIError, bad_request
+from mllmd.openai.limits import (
+    DEFAULT_LIMITS,
+    MAX_CONTENT_PARTS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_TEMPLATE_KWARG_NAME,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_NAME,
+    MAX_TOOLS,
+    RESERVED_TEMPLATE_KWARGS,
+    Limits,
+    check_count,
+    check_free_json,
+    decode_json,  # noqa: F401 (re-exported: the API's JSON rules, used by the admin routes too)
+)
 from mllmd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, output_limit
 
 MAX_N = 16  # choices per prompt
@@ -52,28 +68,6 @@ GENERATE_SAMPLING_KEYS = (
     "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "seed", "logit_bias", "skip_special_tokens",
 )  # fmt: skip
-
-
-def decode_json(body: bytes) -> Any:
-    """Decode a request body; invalid JSON (or NaN/Infinity, or absurd nesting) is a 400. JSON between
-    systems is UTF-8 (RFC 8259, section 8.1): UTF-16/32 bodies, which json.loads would sniff and accept,
-    are refused; a UTF-8 byte-order mark is tolerated."""
-    try:
-        text = body.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        text = "\0"
-    if "\0" in text:  # never in JSON text (control characters are escaped); UTF-16/32 ASCII has NULs
-        raise bad_request("The JSON body of your request must be encoded as UTF-8.") from None
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise bad_request(
-            "We could not parse the JSON body of your request (it must be valid JSON)."
-        ) from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,8 +128,13 @@ def _as_str(v: Any, p: str, allow_empty: bool = True) -> str:
 def _as_token_ids(v: Any, p: str, allow_empty: bool = False) -> list[int]:
     if not isinstance(v, list):
         raise bad_request(f"'{p}' must be an array of token ids (got {_show(v)})", p)
-    if not v and not allow_empty:
-        raise bad_request(f"'{p}' must not be empty", p)
+    if not v:
+        if not allow_empty:
+            raise bad_request(f"'{p}' must not be empty", p)
+        return []
+    # Fast path (C speed, for prompts of a million ids): plain ints within range need no copy.
+    if set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= MAX_INT:
+        return v
     return [_as_int(t, f"{p}[{i}]", 0, MAX_INT) for i, t in enumerate(v)]
 
 
@@ -204,7 +203,7 @@ class _Obj:
 # Sampling fields shared by every endpoint
 
 
-def _read_stop(o: _Obj, key: str = "stop") -> list[str]:
+def _read_stop(o: _Obj, limits: Limits, key: str = "stop") -> list[str]:
     v, p = o.raw(key), o.param(key)
     if v is None:
         return []
@@ -214,7 +213,12 @@ def _read_stop(o: _Obj, key: str = "stop") -> list[str]:
         raise bad_request(f"'{p}' must be a string or an array of strings (got {_show(v)})", p)
     if len(v) > MAX_STOP:
         raise bad_request(f"'{p}' may hold at most {MAX_STOP} strings (got {len(v)})", p)
-    return [_as_str(s, p, allow_empty=False) for s in v]
+    out = [_as_str(s, p, allow_empty=False) for s in v]
+    for s in out:
+        if len(s) > limits.max_stop_length:
+            raise bad_request(f"'{p}' holds a stop string of {len(s)} characters; the limit is "
+                              f"{limits.max_stop_length} (server.max_stop_length)", p)
+    return out
 
 
 def _read_logit_bias(o: _Obj, key: str = "logit_bias") -> dict[int, float] | None:
@@ -223,6 +227,7 @@ def _read_logit_bias(o: _Obj, key: str = "logit_bias") -> dict[int, float] | Non
         return None
     if not isinstance(v, dict):
         raise bad_request(f"'{p}' must be an object mapping token ids to biases (got {_show(v)})", p)
+    check_count(v, p, MAX_LOGIT_BIAS, "entries")
     out: dict[int, float] = {}
     for k, b in v.items():
         if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10:
@@ -237,7 +242,7 @@ def _read_logit_bias(o: _Obj, key: str = "logit_bias") -> dict[int, float] | Non
     return out
 
 
-def _read_sampling(o: _Obj, temperature_max: float = 2.0) -> dict[str, Any]:
+def _read_sampling(o: _Obj, limits: Limits, temperature_max: float = 2.0) -> dict[str, Any]:
     """The validated sampling fields common to all endpoints, as keyword arguments."""
     stop_token_ids = o.get_list("stop_token_ids") or []
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -251,7 +256,7 @@ def _read_sampling(o: _Obj, temperature_max: float = 2.0) -> dict[str, Any]:
         "frequency_penalty": o.get_float("frequency_penalty", 0.0, -2.0, 2.0),
         "repetition_penalty": o.get_float("repetition_penalty", 1.0, 0.0, 1000.0, lo_open=True),
         "seed": o.get_int("seed", None, SEED_MIN, SEED_MAX),
-        "stop": _read_stop(o),
+        "stop": _read_stop(o, limits),
         "stop_token_ids": _as_token_ids(stop_token_ids, o.param("stop_token_ids"), allow_empty=True),
         "ignore_eos": o.get_bool("ignore_eos", False),
         "logit_bias": _read_logit_bias(o),
@@ -372,6 +377,7 @@ def _parse_content(o: _Obj, role: str) -> str | list[dict[str, Any]] | None:
         return v
     if not isinstance(v, list):
         raise bad_request(f"'{p}' must be a string or an array of content parts (got {_show(v)})", p)
+    check_count(v, p, MAX_CONTENT_PARTS, "content parts")
     parts: list[dict[str, Any]] = []
     for j, raw in enumerate(v):
         po = _Obj(raw, f"{p}[{j}]")
@@ -405,6 +411,7 @@ def _parse_tool_calls(o: _Obj) -> list[dict[str, Any]] | None:
     calls = o.get_list("tool_calls")
     if not calls:
         return None
+    check_count(calls, o.param("tool_calls"), MAX_TOOL_CALLS, "tool calls")
     out = []
     for i, raw in enumerate(calls):
         co = _Obj(raw, o.param(f"tool_calls[{i}]"))
@@ -417,6 +424,8 @@ def _parse_tool_calls(o: _Obj) -> list[dict[str, Any]] | None:
             args = "{}"
         elif not isinstance(args, (str, dict)):
             raise fo.err("arguments", f"must be a JSON string (got {_show(args)})")
+        else:
+            check_free_json(args, fo.param("arguments"))
         out.append(
             {
                 "id": co.get_str("id", required=True),
@@ -455,6 +464,7 @@ def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
     tools = o.get_list("tools")
     if not tools:
         return None
+    check_count(tools, o.param("tools"), MAX_TOOLS, "tools")
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, raw in enumerate(tools):
@@ -466,6 +476,8 @@ def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
         assert fo is not None
         name = fo.get_str("name", required=True, allow_empty=False)
         assert name is not None
+        if len(name) > MAX_TOOL_NAME:
+            raise fo.err("name", f"must be at most {MAX_TOOL_NAME} characters (got {len(name)})")
         if name in names:
             raise fo.err("name", f"duplicates another tool's name ({_show(name)})")
         names.add(name)
@@ -475,7 +487,7 @@ def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
             fn["description"] = description
         params = fo.get_obj("parameters")
         if params is not None:
-            fn["parameters"] = params.d
+            fn["parameters"] = check_free_json(params.d, params.path)
         if fo.raw("strict") is not None:
             fn["strict"] = fo.get_bool("strict", False)
         out.append({"type": "function", "function": fn})
@@ -516,7 +528,28 @@ def _read_stream(o: _Obj) -> tuple[bool, bool]:
     return stream, so.get_bool("include_usage", False)
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def _read_template_kwargs(o: _Obj) -> dict[str, Any]:
+    """chat_template_kwargs: template variables only (the template itself comes from the model or the
+    administrator's model.chat_template, never from a request)."""
+    ctk = o.get_obj("chat_template_kwargs")
+    if ctk is None:
+        return {}
+    check_count(ctk.d, ctk.path, MAX_TEMPLATE_KWARGS, "entries")
+    for key in ctk.d:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            why = ("is not allowed: the chat template comes from the model (or the administrator's "
+                   "model.chat_template), never from a request") if key == "chat_template" else (
+                   "is not allowed: it is not a template variable but a setting of how the prompt is built")
+            raise ctk.err(key, why)
+        if not key.isidentifier() or len(key) > MAX_TEMPLATE_KWARG_NAME:
+            raise bad_request(f"'{ctk.path}' keys must be identifiers of at most {MAX_TEMPLATE_KWARG_NAME} "
+                              f"characters (got {_show(key)})", ctk.path)
+    if ctk.raw("enable_thinking") is not None:
+        ctk.get_bool("enable_thinking", True)
+    return dict(check_free_json(ctk.d, ctk.path))
+
+
+def parse_chat_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a /v1/chat/completions body."""
     o = _Obj(body)
     o.refuse(UNSUPPORTED_CHAT_FIELDS)
@@ -526,12 +559,11 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = o.get_list("messages", required=True)
     if not messages:
         raise o.err("messages", "must not be empty")
+    check_count(messages, "messages", MAX_MESSAGES, "messages")
     rf = o.get_obj("response_format")
     if rf is not None and rf.raw("type") != "text":
         raise rf.err("type", f"only 'text' is supported for now (got {_show(rf.raw('type'))})")
-    ctk = o.get_obj("chat_template_kwargs")
-    if ctk is not None and ctk.raw("enable_thinking") is not None:
-        ctk.get_bool("enable_thinking", True)
+    template_kwargs = _read_template_kwargs(o)
     stream, include_usage = _read_stream(o)
     logprobs = o.get_bool("logprobs", False)
     top_logprobs = o.get_int("top_logprobs", None, 0, MAX_TOP_LOGPROBS)
@@ -549,14 +581,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=tools,
         tool_choice=_parse_tool_choice(o, tools),
         parallel_tool_calls=o.get_bool("parallel_tool_calls", True),
-        chat_template_kwargs=dict(ctk.d) if ctk is not None else {},
+        chat_template_kwargs=template_kwargs,
         max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,
         param_names={
             "max_tokens": "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
         },
-        **_read_sampling(o),
+        **_read_sampling(o, limits),
     )
 
 
@@ -602,7 +634,7 @@ def _read_prompts(o: _Obj, key: str, what: str) -> list[str | list[int]]:
     raise bad_request(f"'{p}' must be {what} (got an array of {_show(v[0])})", p)
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
+def parse_completion_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> CompletionRequest:
     """Validate a /v1/completions body."""
     o = _Obj(body)
     o.refuse({} if o.raw("suffix") == "" else UNSUPPORTED_COMPLETION_FIELDS)
@@ -629,7 +661,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         logprobs=num_logprobs is not None,
         top_logprobs=num_logprobs or 0,
         param_names={"top_logprobs": "logprobs"},
-        **_read_sampling(o),
+        **_read_sampling(o, limits),
     )
 
 
@@ -677,7 +709,7 @@ def _read_rids(o: _Obj, is_batch: bool, size: int) -> list[str] | None:
     return rids
 
 
-def parse_generate_request(body: Any) -> GenerateRequest:
+def parse_generate_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     """Validate a native /generate body (SGLang-style ``text``/``input_ids`` + ``sampling_params``)."""
     o = _Obj(body)
     has_text, has_ids = o.raw("text") is not None, o.raw("input_ids") is not None
@@ -728,5 +760,5 @@ def parse_generate_request(body: Any) -> GenerateRequest:
             "logprobs": "return_logprob",
             "top_logprobs": "top_logprobs_num",
         },
-        **_read_sampling(sp, temperature_max=100.0),
+        **_read_sampling(sp, limits, temperature_max=100.0),
     )

@@ -36,6 +36,18 @@ class Choice:
 Result = TextOutput | RequestFailed
 
 
+ABORTED = "the request was aborted by the server's administrator"
+
+
+def openai_item(item: Result) -> Result:
+    """OpenAI has no finish_reason for an abort: on the OpenAI routes an admin abort (a final item with
+    finish_reason "abort") ends the request as an error, like a lost worker (native /generate keeps
+    SGLang's finish_reason {"type": "abort"})."""
+    if isinstance(item, TextOutput) and item.finished and item.finish_reason == "abort":
+        return RequestFailed(item.rid, "unavailable", ABORTED)
+    return item
+
+
 def raise_if_error(item: Result) -> TextOutput:
     """The item, or its failure as an APIError."""
     if isinstance(item, RequestFailed):
@@ -134,7 +146,7 @@ def _split_chat(text: str, meta: PromptMeta, req: Any, opts: ChatOptions) -> tup
 async def chat_full(states: list[Any], req: Any, opts: ChatOptions) -> dict[str, Any]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
-        accumulate(choices[i], raise_if_error(item))
+        accumulate(choices[i], raise_if_error(openai_item(item)))
     out = []
     for i, c in enumerate(choices):
         reasoning, content, calls = _split_chat(c.text, c.meta, req, opts)
@@ -154,6 +166,7 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
         yield R.sse(R.chat_role_chunk(cid, opts.model, created, i, inc))
     try:
         async for i, item in merged(states):
+            item = openai_item(item)
             if isinstance(item, RequestFailed):
                 yield stream_error(item)
                 return
@@ -216,7 +229,7 @@ def _chat_deltas(text: str, final: bool, reasoner: Any, tools: Any) -> list[dict
 async def completion_full(states: list[Any], req: Any, model: str, echo_texts: list[str]) -> dict[str, Any]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
-        accumulate(choices[i], raise_if_error(item))
+        accumulate(choices[i], raise_if_error(openai_item(item)))
     out = []
     for i, c in enumerate(choices):
         prefix = echo_texts[i] if req.echo else ""
@@ -233,6 +246,7 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
         for i, t in enumerate(echo_texts):
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, t, None)], include_usage=inc))
     async for i, item in merged(states):
+        item = openai_item(item)
         if isinstance(item, RequestFailed):
             yield stream_error(item)
             return

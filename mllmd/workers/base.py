@@ -29,6 +29,7 @@ class WorkerContext:
         self.to_main = ipc.push(self.ctx, ipc_dir, ipc.MAIN)
         self._main_lock = threading.Lock()
         self._stop = threading.Event()
+        self.count_requests: Callable[[], int] | None = None  # set by a worker that keeps per-request state
 
     def send_main(self, msg: Any) -> None:
         """Send one of mllmd.messages' structs to main (thread-safe: the heartbeat thread sends too)."""
@@ -37,7 +38,8 @@ class WorkerContext:
             self.to_main.send(data)
 
     def start_heartbeats(self, interval: float) -> None:
-        """Tell main we are alive every `interval` seconds (a stopped process sends nothing)."""
+        """Tell main we are alive every `interval` seconds (a stopped process sends nothing), with how
+        many requests we hold state for when `self.count_requests` is set."""
 
         parent = os.getppid()
 
@@ -47,7 +49,8 @@ class WorkerContext:
                     logging.getLogger(self.name).error("the main process (pid %d) is gone; exiting", parent)
                     self.stop()
                     return
-                self.send_main(Heartbeat(self.name, os.getpid(), time.time()))
+                count = self.count_requests
+                self.send_main(Heartbeat(self.name, os.getpid(), time.time(), count() if count else None))
 
         threading.Thread(target=beat, name=f"{self.name}-heartbeat", daemon=True).start()
 

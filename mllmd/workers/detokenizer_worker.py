@@ -9,6 +9,7 @@ from mllmd.messages import (
     DetokenizerInbox,
     PromptMeta,
     RegisterRequest,
+    RequestFailed,
     ResetRequests,
     TextOutput,
     TextOutputs,
@@ -17,6 +18,7 @@ from mllmd.messages import (
     TokenOutputs,
     TopLogprob,
     decoder,
+    request_id_of,
 )
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
@@ -31,6 +33,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, Any] = {}
         self.meta: dict[str, PromptMeta] = {}
+        self.failed: list[RequestFailed] = []  # requests that could not be detokenized (sent to main)
 
     def register(self, msg: RegisterRequest) -> None:
         from mllmd.detokenizer import DetokenizerState
@@ -99,13 +102,25 @@ def run(wctx: WorkerContext) -> None:
     detok = Detokenizer(AutoTokenizer.from_pretrained(wctx.settings["tokenizer_path"]))
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
     decode = decoder(DetokenizerInbox).decode
+    wctx.count_requests = lambda: len(detok.states)
     wctx.ready()
     while not wctx.stopping:
         if not inbox.poll(100):
             continue
-        items = handle(detok, decode(inbox.recv()))
+        data = inbox.recv()
+        try:
+            msg = decode(data)
+        except Exception as e:  # the scheduler's bug: skip the message, fail its request if named
+            logger.error("cannot decode a message: %s", e)
+            rid = request_id_of(data)
+            if rid is not None:
+                detok.failed.append(RequestFailed(rid, "internal", "the request's output could not be read"))
+            msg = None
+        items = handle(detok, msg) if msg is not None else []
         if items:
             wctx.send_main(TextOutputs(items))
+        while detok.failed:
+            wctx.send_main(detok.failed.pop(0))
 
 
 def handle(detok: Detokenizer, msg: RegisterRequest | TokenOutputs | ResetRequests) -> list[TextOutput]:
@@ -114,12 +129,24 @@ def handle(detok: Detokenizer, msg: RegisterRequest | TokenOutputs | ResetReques
     if isinstance(msg, RegisterRequest):
         detok.register(msg)
     elif isinstance(msg, TokenOutputs):
-        return [i for i in (detok.process(o) for o in msg.outputs) if i is not None]
+        return [i for i in (_process(detok, o) for o in msg.outputs) if i is not None]
     else:
         dropped = detok.reset()
         if dropped:
             logger.warning("scheduler restarted: dropped the state of %d unfinished requests", dropped)
     return []
+
+
+def _process(detok: Detokenizer, out: TokenOutput) -> TextOutput | None:
+    """One request's output; a failure ends that request alone (its state is dropped, main is told)."""
+    try:
+        return detok.process(out)
+    except Exception as e:
+        logger.exception("detokenizing %s failed", out.rid)
+        detok.states.pop(out.rid, None)
+        detok.meta.pop(out.rid, None)
+        detok.failed.append(RequestFailed(out.rid, "internal", f"detokenization failed: {type(e).__name__}"))
+        return None
 
 
 if __name__ == "__main__":

@@ -25,12 +25,31 @@ from mllmd.messages import (
     TokenOutputs,
     decoder,
     encode,
+    request_id_of,
 )
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
 
 logger = logging.getLogger("scheduler")
 STATS_INTERVAL = 0.5
+IDLE_TRIM_AFTER = 2.0  # seconds without work before freed heap memory is handed back to the system
+
+
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim(0), or None elsewhere. After a burst of requests the heap keeps what the
+    step's tensors and lists freed (in several arenas: torch's threads); without a trim the worker's
+    RSS at rest depends on the shape of the last burst (measured: 527 to 636 MiB between rounds of the
+    same 1,000 requests on the tiny model)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    return lambda: trim(0)
 
 
 def _engine_stats(engine: Any) -> EngineStats:
@@ -128,12 +147,23 @@ def run(wctx: WorkerContext) -> None:
     poller.register(inbox, zmq.POLLIN)
     trace = StepTrace.from_env(engine)
     decode = decoder(SchedulerInbox).decode
+    wctx.count_requests = lambda: len(engine.reqs)
     last_stats = 0.0
+    trim = _malloc_trim()
+    last_work, trimmed = time.monotonic(), True
     while not wctx.stopping:
         timeout = 0 if engine.has_unfinished() else 50
         t0 = time.perf_counter()
         while dict(poller.poll(timeout)).get(inbox):
-            msg = decode(inbox.recv())
+            data = inbox.recv()
+            try:
+                msg = decode(data)
+            except Exception as e:  # a sender's bug: fail that request, keep serving the others
+                logger.error("cannot decode a message: %s", e)
+                rid = request_id_of(data)
+                if rid is not None:
+                    wctx.send_main(RequestFailed(rid, "internal", "the request could not be read by the scheduler"))
+                continue
             if trace is not None and isinstance(msg, GenerateRequest):
                 trace.received(msg)
             handle(msg, engine, wctx, to_detok)
@@ -146,6 +176,11 @@ def run(wctx: WorkerContext) -> None:
         if trace is not None:
             trace.record(t0, t1, t2, time.perf_counter(), len(outputs))
         now = time.monotonic()
+        if outputs or engine.has_unfinished():
+            last_work, trimmed = now, False
+        elif not trimmed and trim is not None and now - last_work > IDLE_TRIM_AFTER:
+            trim()  # once per idle period
+            trimmed = True
         if now - last_stats > STATS_INTERVAL:
             wctx.send_main(_engine_stats(engine))
             last_stats = now

@@ -508,3 +508,15 @@ def test_no_torch_in_the_main_process() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("key,value", [
+    ("server.max_json_depth", 1), ("server.max_json_depth", 1000), ("server.max_stop_length", 0),
+    ("server.header_timeout", 0), ("server.body_timeout", -1), ("server.max_header_bytes", 100),
+    ("server.keepalive_timeout", 0), ("server.max_connections", 0), ("server.max_unix_connections", 0),
+])
+def test_hardening_keys_are_checked(key: str, value: object) -> None:
+    """Issue 35's keys: each bad value is an error that names the key."""
+    with pytest.raises(ConfigError) as info:
+        dc.load_config("/dev/null", {key: value}, environ={})
+    assert info.value.key == key

@@ -293,6 +293,28 @@ def test_stop_matching_ignores_chunking(text: str, stops: list[str], cuts: list[
         assert (emitted, None) == reference_stop(text, stops)
 
 
+def test_long_stop_strings_cost_linear_memory() -> None:
+    """Issue 35: every proper prefix of a 40,000-character stop string used to be kept (727 MiB). Now
+    the matcher holds the stop strings themselves and at most one stop string's length of text."""
+    import tracemalloc
+
+    stop = "ab" * 20_000
+    tracemalloc.start()
+    try:
+        m = StopStringMatcher([stop, "x" * 40_000])
+        for _ in range(2_000):
+            emit, stopped = m.feed("ab")
+            assert not stopped
+        assert len(m.held) <= len(stop) - 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 1024 * 1024, f"peak {peak / 2**20:.1f} MiB"
+    assert m.held == stop[: len(m.held)] and len(m.held) == 4_000  # all of it could still become the stop
+    emit, stopped = m.feed(stop[len(m.held):])
+    assert stopped and emit == "" and m.matched == stop
+
+
 # ---- DetokenizerState: the worker's per-request helper -------------------------------------------
 
 

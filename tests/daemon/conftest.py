@@ -266,8 +266,10 @@ def start_daemon(
     api_key: str | None = None,
     wait: bool = True,
     ready_timeout: float = READY_TIMEOUT,
+    nofile: int | None = None,
 ) -> DaemonProc:
-    """Start the daemon (own process group) and, with `wait`, block until /health is 200."""
+    """Start the daemon (own process group) and, with `wait`, block until /health is 200.
+    `nofile`: its open-file limit (soft and hard, as `ulimit -n` sets them)."""
     workdir = short_tmpdir()
     port = free_port()
     uds = str(workdir / "mllmd.sock")
@@ -283,9 +285,15 @@ def start_daemon(
     full_env = daemon_env({"RUNTIME_DIRECTORY": str(workdir), "STATE_DIRECTORY": str(workdir), **(env or {})})
     if full_env.get("MLLMD_TESTING_SCRIPT"):  # scripted output: injected into the scheduler worker from here
         full_env["PYTHONPATH"] = str(SCRIPTED_SITE) + os.pathsep + full_env["PYTHONPATH"]
+    def limit_files() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=full_env, cwd=workdir, start_new_session=True)
+                                env=full_env, cwd=workdir, start_new_session=True,
+                                preexec_fn=limit_files if nofile is not None else None)
     d = DaemonProc(proc, port, uds, workdir, log_path, model_path, api_key)
     if wait:
         try:
