@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mllmd_kernels.gumbel import row_keys
 
 from mllmd.engine.device_io import to_device
-from mllmd.engine.sampling.gumbel import row_keys
 from mllmd.engine.sampling.penalties import unique_tokens
 from mllmd.sampling_params import SamplingParams
 
@@ -118,7 +118,7 @@ class SamplingBatchInfo:
         plain: list[int] = []
         if sp:
             temperatures = f32([p.temperature for p in sp])
-            keys = row_keys([seeds[i] for i in sampled], [positions[i] for i in sampled], dev)
+            keys = to_device(row_keys([seeds[i] for i in sampled], [positions[i] for i in sampled]), torch.int64, dev)
             ks = [p.top_k if 0 < p.top_k < v else v for p in sp]
             ps = [p.top_p if p.top_p < 1.0 else 1.0 for p in sp]
             ms = [p.min_p if p.min_p > 0.0 else 0.0 for p in sp]

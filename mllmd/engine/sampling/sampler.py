@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import torch
 from mllmd_kernels import GreedyWorkspace, greedy_argmax, gumbel_argmax
 from mllmd_kernels._triton import use_triton
+from mllmd_kernels.gumbel import gumbel, gumbel_noise
 
 from mllmd.engine.sampling.batch_info import SamplingBatchInfo
 from mllmd.engine.sampling.filters import select_candidates
-from mllmd.engine.sampling.gumbel import gumbel, gumbel_noise
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.penalties import (
     apply_frequency_presence,
