@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mllmd_kernels import knobs
+
 try:  # pragma: no cover - depends on the environment
     import triton
     import triton.language as tl
@@ -145,7 +147,7 @@ def pdl_launches() -> Iterator[None]:
 def pdl_supported(device_index: int) -> bool:
     """The device is sm90+ and this Triton launches with PDL (its `launch_pdl` option: Triton 3.4+);
     MLLMD_PDL=0 (read once per process) turns it off for comparison."""
-    if not HAS_TRITON or os.environ.get("MLLMD_PDL", "1") == "0":
+    if not HAS_TRITON or not knobs.pdl_enabled():
         return False
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False

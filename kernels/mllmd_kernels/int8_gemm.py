@@ -45,11 +45,11 @@ No host synchronisation: the launches depend only on shapes (CUDA-graph capturab
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from mllmd_kernels import knobs
 from mllmd_kernels._triton import (
     cdiv,
     interpreting,
@@ -70,7 +70,7 @@ from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, int
 # Not below: each TMA launch costs about 20 us more host time (two tensor maps encoded: 54.5 against
 # 34.6 us a launch), which a shorter prefill, bound by the host, would pay in full.
 # MLLMD_INT8_TMA_MIN_ROWS overrides it (a diagnostic: a large value turns the TMA tiling off).
-TMA_MIN_ROWS = int(os.environ.get("MLLMD_INT8_TMA_MIN_ROWS", "1024"))
+TMA_MIN_ROWS = knobs.int8_tma_min_rows()
 GEMV_SCALE_BYTES = 16384  # w8a8_gemv: bytes of x per step of each program's max|x| pass
 TMA_MODES = ("tma", "tma_persistent")
 

@@ -52,11 +52,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 
 import torch
 
+from mllmd_kernels import knobs
 from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
 from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
@@ -164,7 +164,7 @@ def group_block_k(block_k: int, group: int, k: int) -> int:
 def tuned_gemv_configs() -> dict[tuple[int, int], W4A16Config]:
     """One-row tilings by (N, K) from the JSON file `$MLLMD_W4A16_TUNED` names (what
     `bench_quant --sweep w4a16 --w4a16-tuned-out FILE` writes: {"N,K": config fields}); {} unset."""
-    path = os.environ.get("MLLMD_W4A16_TUNED")
+    path = knobs.w4a16_tuned_path()
     if not path:
         return {}
     with open(path) as f:

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from mllmd_kernels import knobs
 from mllmd_kernels._triton import pdl_args, sm_count_for
 from mllmd_kernels.rmsnorm import NormInput
 
@@ -154,7 +155,7 @@ def smem_bytes(m: int, k: int, vec: int, warps: int, dtype: torch.dtype) -> int:
 def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
     """Launch configs by (N, K) from the JSON file $MLLMD_W4A16_MMA_TUNED names ({"N,K": [split, warps]},
     what `bench_quant --sweep w4a16_mma` prints as the best per shape); {} when unset."""
-    path = os.environ.get("MLLMD_W4A16_MMA_TUNED")
+    path = knobs.w4a16_mma_tuned_path()
     if not path:
         return {}
     with open(path) as f:
@@ -186,7 +187,7 @@ def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False) ->
 
 def find_nvcc() -> str | None:
     """The CUDA compiler: $MLLMD_NVCC, $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc."""
-    candidates = [os.environ.get("MLLMD_NVCC")]
+    candidates = [knobs.nvcc()]
     for var in ("CUDA_HOME", "CUDA_PATH"):
         if os.environ.get(var):
             candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
@@ -200,8 +201,8 @@ def find_nvcc() -> str | None:
 def cache_dir() -> Path:
     """Where built libraries are kept: $MLLMD_KERNEL_CACHE, else $XDG_CACHE_HOME/mllmd/cuda (the
     systemd unit sets XDG_CACHE_HOME=/var/cache/mllmd), else ~/.cache/mllmd/cuda."""
-    if os.environ.get("MLLMD_KERNEL_CACHE"):
-        return Path(os.environ["MLLMD_KERNEL_CACHE"])
+    if knobs.kernel_cache():
+        return Path(knobs.kernel_cache())
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "mllmd" / "cuda"
 
@@ -271,7 +272,7 @@ _REASONS: dict[str, str] = {}
 
 @functools.lru_cache(maxsize=8)
 def _library_for(arch: str) -> _Library | None:
-    if os.environ.get("MLLMD_CUDA_KERNELS", "auto").lower() in ("0", "off", "false", "no"):
+    if not knobs.cuda_kernels_enabled():
         _REASONS[arch] = "turned off by MLLMD_CUDA_KERNELS"
         return None
     nvcc = find_nvcc()
