@@ -63,6 +63,8 @@ from mllmd_kernels._triton import (
 )
 from mllmd_kernels.activation import _silu_mul, silu_and_mul
 from mllmd_kernels.int8_quant import _quant_row, int8_quant, int8_quant_ref, int8_scale, row_int8_scale
+from mllmd_kernels.splitk import auto_split, k_splits, splitk_reduce
+from mllmd_kernels.tiling import fit_stages, k_step_loads, max_shared_memory, n_tile_k_split, swizzled_tile
 
 # From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads
 # (int8_gemm_tma, "tma" 128x128x64): on the H200 the W8A8 Qwen3-8B 2,048-token prefill took 34.8 ms
@@ -115,37 +117,6 @@ class Int8GemmConfig:
     dp4a: bool = False  # "gemv": four byte products a word in one instruction (dp4a, sm61+; needs K % 4 == 0)
 
 
-@functools.lru_cache(maxsize=8)
-def _smem_per_block(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-    if optin:
-        return optin
-    # By compute capability: sm90 227 KB, sm80/sm87 (A100, Orin) 163 KB, other consumer parts 99 KB.
-    return {(9, 0): 232448, (8, 0): 166912, (8, 7): 166912}.get((props.major, props.minor), 101376)
-
-
-def max_shared_memory(t: torch.Tensor) -> int:
-    """Opt-in shared memory per block on t's device (bytes); generous for the CPU interpreter."""
-    return _smem_per_block(t.device.index or 0) if t.is_cuda else 232448
-
-
-def fit_stages(stage_bytes: int, want: int, smem: int, reserve: int = 8192) -> int:
-    """The most pipeline stages (<= want, >= 1) whose buffers fit in `smem` bytes."""
-    return max(1, min(want, (smem - reserve) // max(1, stage_bytes)))
-
-
-def auto_split(
-    tiles: int, k: int, block_k: int, num_sms: int, ctas_per_sm: int = 2, min_blocks: int = 4
-) -> int:
-    """Split K (powers of two) until there are about `ctas_per_sm` tiles per SM, keeping at least
-    `min_blocks` K-blocks per split."""
-    split = 1
-    while tiles * split * 2 <= ctas_per_sm * num_sms and k // (split * 2) >= min_blocks * block_k:
-        split *= 2
-    return split
-
-
 @functools.lru_cache(maxsize=4096)  # a pure function of its arguments, asked on every launch
 def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool = False) -> Int8GemmConfig:
     """Tile sizes for a[m, k] @ b[n, k]^T by M (decode / mid / prefill), fitted to shared memory;
@@ -178,54 +149,6 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
         # with 8 warps (qkv 89 us, o 61, gate_up 357, down 168); 80 KB of shared memory fits sm87 too.
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
     return Int8GemmConfig("gemm", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))
-
-
-@triton.jit
-def swizzled_tile_start(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """First row and column of output tile number `tile` of a GEMM, tiles swizzled in groups of
-    GROUP_M rows of tiles (so the weight tiles of neighbouring programs are shared in L2)."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (tile // num_in_group) * GROUP_M
-    group_size_m = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % num_in_group) % group_size_m
-    pid_n = (tile % num_in_group) // group_size_m
-    return pid_m * BLOCK_M, pid_n * BLOCK_N
-
-
-@triton.jit
-def swizzled_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """This program's output tile (swizzled_tile_start): offs_m, offs_n, and the row indices as
-    int64 with rows past the end wrapped around (read, never stored)."""
-    start_m, start_n = swizzled_tile_start(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    return offs_m, offs_n, (offs_m % M).to(tl.int64), (offs_n % N).to(tl.int64)
-
-
-@triton.jit
-def n_tile_k_split(N, K, K_PER_SPLIT, BLOCK_N: tl.constexpr):
-    """This program's output rows (axis 0: BLOCK_N of N; rows past N re-read row 0 and are never
-    stored) and its K range (axis 1: one split of K_PER_SPLIT columns): offs_n, mask_n, the row
-    indices as int64, k_start, k_len."""
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    rows = tl.where(mask_n, offs_n, 0).to(tl.int64)
-    k_start = tl.program_id(1) * K_PER_SPLIT
-    return offs_n, mask_n, rows, k_start, tl.minimum(K_PER_SPLIT, K - k_start)
-
-
-@triton.jit
-def _k_step_loads(a_ptrs, b_ptrs, a_mask, b_mask, EVEN_K: tl.constexpr):
-    """One K step of a decode kernel: the activations (cached) and the weight tile (streamed,
-    evict-first); past the end of K (unless EVEN_K) masked to 0, which adds nothing to the sums."""
-    if EVEN_K:
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs, eviction_policy="evict_first")
-    else:
-        a = tl.load(a_ptrs, mask=a_mask, other=0)
-        b = tl.load(b_ptrs, mask=b_mask, other=0, eviction_policy="evict_first")
-    return a, b
 
 
 @triton.jit
@@ -328,7 +251,7 @@ def _int8_skinny_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.int32)
     for k0 in range(0, k_len, BLOCK_K):
         k_mask = ((k0 + offs_k) < k_len)[None, :]
-        a, b = _k_step_loads(a_ptrs, b_ptrs, k_mask, k_mask, EVEN_K)
+        a, b = k_step_loads(a_ptrs, b_ptrs, k_mask, k_mask, EVEN_K)
         acc = tl.dot(b, tl.trans(a), acc, out_dtype=tl.int32)
         b_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
@@ -464,7 +387,7 @@ def _int8_gemv_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_K // 16), dtype=tl.int32)
         for k0 in range(0, k_len, BLOCK_K):
             k_mask = (k0 + offs_k) < k_len
-            a, b = _k_step_loads(a_ptrs, b_ptrs, k_mask, k_mask[None, :], EVEN_K)
+            a, b = k_step_loads(a_ptrs, b_ptrs, k_mask, k_mask[None, :], EVEN_K)
             if FUSE_QUANT:  # masked columns: x = 0 -> q = 0
                 a = _quant_row(a.to(tl.float32), a_scale)
             prod = b.to(tl.int32) * a.to(tl.int32)[None, :]
@@ -476,7 +399,7 @@ def _int8_gemv_kernel(
         tl.store(part_ptr + pid_k * N + offs_n, acc_n, mask=mask_n)
         if FUSE_QUANT:
             if (pid_n == 0) & (pid_k == 0):
-                tl.store(as_ptr, a_scale)  # for _int8_splitk_epilogue_kernel (a later launch)
+                tl.store(as_ptr, a_scale)  # for splitk_reduce (a later launch)
     else:
         out = acc_n.to(tl.float32) * a_scale * tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)
         if HAS_BIAS:
@@ -490,34 +413,6 @@ def _int8_gemv_kernel(
                 tl.store(amax_ptr + pid_n, tl.max(tl.where(offs_d < N // 2, tl.abs(y), 0.0), axis=0))
         else:
             tl.store(c_ptr + offs_n, out.to(c_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _int8_splitk_epilogue_kernel(
-    part_ptr,  # [SPLIT_K, M, N] int32
-    as_ptr,
-    bs_ptr,
-    bias_ptr,
-    c_ptr,  # [M, N]
-    M,
-    N,
-    stride_cm,
-    SPLIT_K,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_sync(USE_PDL)
-    m = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros((BLOCK,), dtype=tl.int32)
-    for s in range(0, SPLIT_K):  # integer sums: exact, in any order
-        acc += tl.load(part_ptr + s * M * N + m * N + offs, mask=mask, other=0)
-    out = acc.to(tl.float32) * tl.load(as_ptr + m) * tl.load(bs_ptr + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        out = out + tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(c_ptr + m * stride_cm + offs, out.to(c_ptr.dtype.element_ty), mask=mask)
 
 
 def int8_gemm(
@@ -574,7 +469,7 @@ def int8_gemm(
         assert m == 1, f"gemv tiling for {m} rows"
         return _gemv(a, b, a_scale, b_scale, bias, out, cfg, fuse_quant=False)
     assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
-    k_per_split, split = _k_splits(k, cfg)
+    k_per_split, split = k_splits(k, cfg.split_k, cfg.block_k)
     part = torch.empty((split, m, n), dtype=torch.int32, device=a.device) if split > 1 else out
     _int8_skinny_kernel[(cdiv(n, cfg.block_n), split)](
         a, b, a_scale, b_scale, bias_arg, out, part, m, n, k, a.stride(0), b.stride(0), out.stride(0), k_per_split,
@@ -582,18 +477,8 @@ def int8_gemm(
         EVEN_K=k % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
     )  # fmt: skip
     if split > 1:
-        block = min(1024, next_pow2(n))
-        _int8_splitk_epilogue_kernel[(cdiv(n, block), m)](
-            part, a_scale, b_scale, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block,
-            **pdl_args(a),
-        )
+        splitk_reduce(part, out, bias, a_scale, b_scale)
     return out
-
-
-def _k_splits(k: int, cfg: Int8GemmConfig) -> tuple[int, int]:
-    """(columns per K split, a multiple of block_k; number of splits) of a decode tiling."""
-    k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    return k_per_split, cdiv(k, k_per_split)
 
 
 def _gemv(
@@ -613,7 +498,7 @@ def _gemv(
     assert cfg.block_k >= 16 and cfg.split_k >= 1, cfg
     k = a.shape[1]
     n = b.shape[0]
-    k_per_split, split = _k_splits(k, cfg)
+    k_per_split, split = k_splits(k, cfg.split_k, cfg.block_k)
     assert not silu_mul or (split == 1 and n % 2 == 0 and cfg.block_n % 2 == 0), "silu_mul: one K split, even N"
     part = torch.empty((split, 1, n), dtype=torch.int32, device=a.device) if split > 1 else out
     if a_scale is None:  # fused: the kernel's scale, kept for the split-K epilogue
@@ -642,11 +527,7 @@ def _gemv(
         **pdl_args(a),
     )  # fmt: skip
     if split > 1:
-        block = min(1024, next_pow2(n))
-        _int8_splitk_epilogue_kernel[(cdiv(n, block), 1)](
-            part, a_scale, b_scale, bias_arg, out, 1, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block,
-            **pdl_args(a),
-        )
+        splitk_reduce(part, out, bias, a_scale, b_scale)
     return out
 
 
@@ -685,7 +566,7 @@ def int8_gemm_silu_mul_amax(
     assert n % 2 == 0, f"a gate/up weight has an even number of rows, not {n}"
     if m == 1 and a.dtype == torch.int8 and b.dtype == torch.int8 and a.stride(1) == 1 and b.stride(1) == 1:
         cfg = config or pick_int8_config(1, n, k, sm_count_for(a), max_shared_memory(a))
-        if cfg.mode == "gemv" and _k_splits(k, cfg)[1] == 1:
+        if cfg.mode == "gemv" and k_splits(k, cfg.split_k, cfg.block_k)[1] == 1:
             assert b.shape[1] == k and a_scale.numel() == 1 and b_scale.numel() == n
             assert a_scale.dtype == torch.float32 and b_scale.dtype == torch.float32
             out = torch.empty((1, n // 2), dtype=out_dtype, device=a.device)

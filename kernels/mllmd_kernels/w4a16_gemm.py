@@ -41,7 +41,7 @@ Tilings by M (`pick_w4a16_config`, no autotuning):
 "gemv" and "skinny" split K until every SM has a few tiles, writing float32 partials
 [SPLIT_K, M, N] that are added in a fixed split order (deterministic): given the layer's counters
 (`splitk_counters`), by the last program of each output tile to finish (one atomic per program, no
-second launch); otherwise by `_splitk_reduce_kernel`.
+second launch); otherwise by `splitk_reduce`.
 The weight dequantized for the tensor-core paths equals the reference's bit for bit on the GPU
 (the gemv path keeps it in float32, which is slightly more accurate); sums differ by order only.
 
@@ -58,7 +58,8 @@ import torch
 
 from mllmd_kernels import knobs
 from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
-from mllmd_kernels.int8_gemm import auto_split, fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
+from mllmd_kernels.splitk import auto_split, k_splits, splitk_reduce, splitk_store
+from mllmd_kernels.tiling import fit_stages, max_shared_memory, n_tile_k_split, swizzled_tile
 
 
 def unpack_int4_ref(packed: torch.Tensor, cols: int) -> torch.Tensor:
@@ -289,38 +290,6 @@ def _x_planes(x_ptrs, k_left, BW: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _splitk_store(
-    value,  # float32 partial of this program's K split
-    part_ptrs,  # where split 0's partial of these outputs goes ([SPLIT_K, M, N] float32)
-    split_stride,  # M * N
-    mask,
-    y_ptrs,  # the outputs
-    bias_ptrs,  # their biases (HAS_BIAS)
-    lock_ptr,  # this output tile's arrival counter (int32, 0 between launches)
-    SPLIT_K,
-    HAS_BIAS: tl.constexpr,
-    SERIAL: tl.constexpr,
-):
-    """Store this split's partial; with SERIAL, the tile's last program to arrive adds all SPLIT_K
-    partials in split order (deterministic, whichever program is last), writes the output and
-    resets the counter, so no reduce launch follows. The barrier and the acq_rel atomic publish the
-    program's partial before it counts; the winner reads the others' from L2 (.cg)."""
-    pid_k = tl.program_id(1)
-    tl.store(part_ptrs + pid_k * split_stride, value, mask=mask)
-    if SERIAL:
-        tl.debug_barrier()
-        arrived = tl.atomic_add(lock_ptr, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            acc = tl.zeros_like(value)
-            for s in range(0, SPLIT_K):  # fixed order
-                acc += tl.load(part_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                acc += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(lock_ptr, 0)
-
-
-@triton.jit
 def _gemv_k_step(
     acc,  # [BLOCK_N, BW] float32 (channel-wise: unscaled sums; else scaled)
     w_ptrs,  # [BLOCK_N, BW] this step's words
@@ -410,7 +379,7 @@ def _w4a16_gemv_kernel(
     HAS_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
-    SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else _splitk_reduce_kernel)
+    SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else splitk_reduce)
     EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -449,8 +418,8 @@ def _w4a16_gemv_kernel(
     if GROUP_STEPS == 0:
         out *= s_row
     if IS_SPLIT:
-        _splitk_store(out, part_ptr + offs_n, N, mask_n, y_ptr + offs_n, bias_ptr + offs_n,
-                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
+        splitk_store(out, part_ptr + offs_n, N, mask_n, y_ptr + offs_n, bias_ptr + offs_n,
+                     lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
     else:
         if HAS_BIAS:
             out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -487,7 +456,7 @@ def _w4a16_decode_kernel(
     HAS_ZP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IS_SPLIT: tl.constexpr,
-    SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else _splitk_reduce_kernel)
+    SERIAL: tl.constexpr,  # IS_SPLIT: the last program of a tile reduces (else splitk_reduce)
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -529,8 +498,8 @@ def _w4a16_decode_kernel(
     if IS_SPLIT:
         y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         bias_ptrs = bias_ptr + offs_n[:, None] + 0 * offs_m[None, :]
-        _splitk_store(acc, part_ptr + offs_m[None, :] * N + offs_n[:, None], M * N, out_mask, y_ptrs, bias_ptrs,
-                      lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
+        splitk_store(acc, part_ptr + offs_m[None, :] * N + offs_n[:, None], M * N, out_mask, y_ptrs, bias_ptrs,
+                     lock_ptr + tl.program_id(0), SPLIT_K, HAS_BIAS, SERIAL)  # fmt: skip
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
@@ -602,31 +571,6 @@ def _w4a16_gemm_kernel(
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _splitk_reduce_kernel(
-    part_ptr,  # [SPLIT_K, M, N] float32
-    bias_ptr,  # [N] (HAS_BIAS)
-    y_ptr,  # [M, N]
-    M,
-    N,
-    stride_ym,
-    SPLIT_K,
-    HAS_BIAS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_sync(USE_PDL)
-    m = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(part_ptr + s * M * N + m * N + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -749,7 +693,7 @@ def w4a16_gemm(
     skinny tiling instead of the gemv (whose loads and probes are built on row-major words).
 
     With `splitk_counters` a split-K launch reduces its own partials (the last program of each tile
-    adds them) instead of launching `_splitk_reduce_kernel`. The counters return to 0 after every
+    adds them) instead of launching `splitk_reduce`. The counters return to 0 after every
     launch; two launches must not share them at the same time (one set per layer, one stream)."""
     assert x.dim() == 2 and x.stride(1) == 1 and w_packed.stride(1) == 1, (
         "w4a16_gemm needs K-contiguous x and w_packed"
@@ -795,8 +739,7 @@ def w4a16_gemm(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
-    k_per_split = cdiv(cdiv(k, cfg.split_k), bk * sub) * bk * sub
-    split = cdiv(k, k_per_split)
+    k_per_split, split = k_splits(k, cfg.split_k, bk * sub)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (cdiv(n, cfg.block_n), split)
     serial = split > 1 and splitk_counters is not None
@@ -829,8 +772,5 @@ def w4a16_gemm(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
         )  # fmt: skip
     if split > 1 and not serial:
-        block = min(1024, next_pow2(n))
-        _splitk_reduce_kernel[(cdiv(n, block), m)](
-            part, bias_arg, out, m, n, out.stride(0), split, HAS_BIAS=has_bias, BLOCK=block, **pdl_args(x)
-        )
+        splitk_reduce(part, out, bias)
     return out

@@ -51,10 +51,8 @@ from mllmd_kernels.bench.common import (
 )
 from mllmd_kernels.int8_gemm import (
     Int8GemmConfig,
-    auto_split,
     int8_gemm,
     int8_gemm_silu_mul,
-    max_shared_memory,
     pick_int8_config,
     w8a8_gemv,
     w8a8_linear,
@@ -63,6 +61,8 @@ from mllmd_kernels.int8_gemm import (
 from mllmd_kernels.int8_gemm_tma import TMA_MODES, tma_supported
 from mllmd_kernels.int8_quant import int8_quant
 from mllmd_kernels.rmsnorm import rmsnorm
+from mllmd_kernels.splitk import auto_split
+from mllmd_kernels.tiling import max_shared_memory
 from mllmd_kernels.w4a16_gemm import (
     W4A16Config,
     pick_w4a16_config,
