@@ -11,13 +11,12 @@ from mllmd_kernels.decode_attention import decode_attention, decode_attention_re
 from mllmd_kernels.decode_inputs import decode_inputs, decode_inputs_ref
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
 from mllmd_kernels.gemv import GemvConfig, gemv, gemv_ref, pick_gemv_config
+from mllmd_kernels.int8_config import Int8GemmConfig, pick_int8_config
 from mllmd_kernels.int8_gemm import (
-    Int8GemmConfig,
     int8_gemm,
     int8_gemm_ref,
     int8_gemm_silu_mul,
     int8_gemm_silu_mul_amax,
-    pick_int8_config,
     w8a8_linear,
     w8a8_linear_ref,
 )
@@ -33,19 +32,15 @@ from mllmd_kernels.sampling import (
     gumbel_argmax_ref,
 )
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
-from mllmd_kernels.w4a16_gemm import (
+from mllmd_kernels.w4a16_config import W4A16Config, pick_w4a16_config, prefers_dequant, splitk_counter_len
+from mllmd_kernels.w4a16_dequant import (
     SCALE_DTYPES,
-    W4A16Config,
     dequantize_int4_ref,
     pack_int4_ref,
-    pick_w4a16_config,
-    prefers_dequant,
-    splitk_counter_len,
     unpack_int4_ref,
     w4a16_dequantize,
-    w4a16_gemm,
-    w4a16_gemm_ref,
 )
+from mllmd_kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
 
 __all__ = [
     "pdl_launches",

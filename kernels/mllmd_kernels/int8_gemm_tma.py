@@ -28,7 +28,8 @@ import functools
 import torch
 
 from mllmd_kernels._triton import HAS_TRITON, cdiv, tl, triton
-from mllmd_kernels.int8_gemm import TMA_MODES, Int8GemmConfig, _store_scaled_tile
+from mllmd_kernels.int8_config import TMA_MODES, Int8GemmConfig
+from mllmd_kernels.int8_gemm import _store_scaled_tile
 from mllmd_kernels.tiling import swizzled_tile_start
 
 try:  # Triton >= 3.3 on the host side

@@ -6,8 +6,8 @@ they call it (once per process for most, through their caches). Unset and empty 
 | variable | default | effect | read by |
 |---|---|---|---|
 | MLLMD_PDL | on | `0`: no programmatic dependent launch in the decode CUDA graphs (for comparison) | `_triton.pdl_supported` (once per device) |
-| MLLMD_INT8_TMA_MIN_ROWS | 1024 | rows from which sm90 runs the W8A8 prefill GEMM with TMA loads (a large value turns it off) | `int8_gemm.TMA_MIN_ROWS` (at import) |
-| MLLMD_W4A16_TUNED | unset | a JSON file of one-row W4A16 gemv tilings by (N, K), as `bench_quant --w4a16-tuned-out` writes | `w4a16_gemm.tuned_gemv_configs` (once) |
+| MLLMD_INT8_TMA_MIN_ROWS | 1024 | rows from which sm90 runs the W8A8 prefill GEMM with TMA loads (a large value turns it off) | `int8_config.TMA_MIN_ROWS` (at import) |
+| MLLMD_W4A16_TUNED | unset | a JSON file of one-row W4A16 gemv tilings by (N, K), as `bench_quant --w4a16-tuned-out` writes | `w4a16_config.tuned_gemv_configs` (once) |
 | MLLMD_W4A16_MMA_TUNED | unset | a JSON file of CUDA W4A16 launch splits {"N,K": [split, warps]} | `w4a16_mma.tuned_configs` (once) |
 | MLLMD_CUDA_KERNELS | auto | `0` / `off` / `false` / `no`: never build or use the CUDA W4A16 kernel | `w4a16_mma` (once per architecture) |
 | MLLMD_NVCC | unset | the CUDA compiler to build it with (before $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda) | `w4a16_mma.find_nvcc` |

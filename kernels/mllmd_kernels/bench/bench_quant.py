@@ -49,29 +49,18 @@ from mllmd_kernels.bench.common import (
     set_log,
     time_calls,
 )
-from mllmd_kernels.int8_gemm import (
-    Int8GemmConfig,
-    int8_gemm,
-    int8_gemm_silu_mul,
-    pick_int8_config,
-    w8a8_gemv,
-    w8a8_linear,
-    w8a8_linear_ref,
-)
+from mllmd_kernels.int8_config import Int8GemmConfig, pick_int8_config
+from mllmd_kernels.int8_gemm import int8_gemm, int8_gemm_silu_mul, w8a8_linear, w8a8_linear_ref
 from mllmd_kernels.int8_gemm_tma import TMA_MODES, tma_supported
+from mllmd_kernels.int8_gemv import w8a8_gemv
 from mllmd_kernels.int8_quant import int8_quant
 from mllmd_kernels.rmsnorm import rmsnorm
 from mllmd_kernels.splitk import auto_split
 from mllmd_kernels.tiling import max_shared_memory
-from mllmd_kernels.w4a16_gemm import (
-    W4A16Config,
-    pick_w4a16_config,
-    splitk_counter_len,
-    tile_words,
-    w4a16_dequantize,
-    w4a16_gemm,
-    w4a16_gemm_ref,
-)
+from mllmd_kernels.w4a16_config import W4A16Config, pick_w4a16_config, splitk_counter_len
+from mllmd_kernels.w4a16_dequant import w4a16_dequantize
+from mllmd_kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
+from mllmd_kernels.w4a16_gemv import tile_words
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}

@@ -12,7 +12,7 @@ Conventions are compressed-tensors' own, so that our outputs equal its fake-quan
 from __future__ import annotations
 
 import torch
-from mllmd_kernels.w4a16_gemm import dequantize_int4_ref, pack_int4_ref, unpack_int4_ref
+from mllmd_kernels.w4a16_dequant import dequantize_int4_ref, pack_int4_ref, unpack_int4_ref
 
 _INT8_RANGE_HALF = 127.5  # (127 - (-128)) / 2
 _FP32_EPS = torch.finfo(torch.float32).eps
