@@ -10,12 +10,12 @@ they call it (once per process for most, through their caches). Unset and empty 
 | MLLMD_W4A16_TUNED | unset | a JSON file of one-row W4A16 gemv tilings by (N, K), as `bench_quant --w4a16-tuned-out` writes | `w4a16_config.tuned_gemv_configs` (once) |
 | MLLMD_W4A16_MMA_TUNED | unset | a JSON file of CUDA W4A16 launch splits {"N,K": [split, warps]} | `w4a16_mma.tuned_configs` (once) |
 | MLLMD_CUDA_KERNELS | auto | `0` / `off` / `false` / `no`: never build or use the CUDA W4A16 kernel | `w4a16_mma` (once per architecture) |
-| MLLMD_NVCC | unset | the CUDA compiler to build it with (before $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda) | `w4a16_mma.find_nvcc` |
-| MLLMD_KERNEL_CACHE | unset | where built CUDA libraries are kept (else $XDG_CACHE_HOME/mllmd/cuda) | `w4a16_mma.cache_dir` |
+| MLLMD_NVCC | unset | the CUDA compiler to build it with (before $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda) | `cuda_build.find_nvcc` |
+| MLLMD_KERNEL_CACHE | unset | where built CUDA libraries are kept (else $XDG_CACHE_HOME/mllmd/cuda) | `cuda_build.cache_dir` |
 | MLLMD_BENCH_SMOKE | off | `1`: the micro-benchmarks run tiny shapes on the CPU (under TRITON_INTERPRET=1) | `bench.common.SMOKE` (at import) |
 
 Variables that belong to other tools are read where they are used, as those tools define them:
-TRITON_INTERPRET (`_triton.interpreting`), CUDA_HOME / CUDA_PATH / XDG_CACHE_HOME (`w4a16_mma`).
+TRITON_INTERPRET (`_triton.interpreting`), CUDA_HOME / CUDA_PATH / XDG_CACHE_HOME (`cuda_build`).
 """
 
 from __future__ import annotations
