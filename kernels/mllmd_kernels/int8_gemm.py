@@ -32,6 +32,35 @@ from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
 from mllmd_kernels.splitk import k_splits, splitk_reduce
 from mllmd_kernels.tiling import k_step_loads, max_shared_memory, n_tile_k_split, swizzled_tile
 
+_int_mm_works: dict[str, bool] = {}  # device type -> torch._int_mm runs there
+
+
+def int_mm_available(device: torch.device) -> bool:
+    """Whether torch._int_mm runs on this device type; probed once (a host sync: call it at load)."""
+    key = device.type
+    if key not in _int_mm_works:
+        try:
+            a = torch.ones(32, 32, dtype=torch.int8, device=device)
+            _int_mm_works[key] = bool(torch._int_mm(a, a)[0, 0].item() == 32)
+        except (RuntimeError, AttributeError, NotImplementedError):
+            _int_mm_works[key] = False
+    return _int_mm_works[key]
+
+
+def int8_mm_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a int8 [M, K] @ b int8 [N, K]^T -> int32 [M, N], exactly (as the kernels' int32 accumulators).
+
+    torch._int_mm where the device has it (CUDA only for M > 16 and K, N multiples of 8); else the
+    products summed in float64, which holds every int8 dot product of K < 2**38 exactly."""
+    m, k = a.shape
+    n = b.shape[0]
+    if m == 0:
+        return torch.zeros(0, n, dtype=torch.int32, device=a.device)
+    shapes_ok = a.device.type != "cuda" or (m > 16 and k % 8 == 0 and n % 8 == 0)
+    if shapes_ok and int_mm_available(a.device):
+        return torch._int_mm(a.contiguous(), b.t())
+    return torch.matmul(a.double(), b.double().t()).to(torch.int32)
+
 
 def int8_gemm_ref(
     a: torch.Tensor,  # [M, K] int8
@@ -41,9 +70,9 @@ def int8_gemm_ref(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
-    """Torch reference: the integer products summed exactly (float64 holds every int8 dot product
-    of K < 2**38 exactly), then (acc * a_scale) * b_scale (+ bias) in float32, rounded to out_dtype."""
-    acc = (a.double() @ b.double().t()).float()  # == float32(int32 accumulator): one rounding either way
+    """Torch reference (and the W8A8 layer's torch path): the integer products summed exactly
+    (`int8_mm_ref`), then (acc * a_scale) * b_scale (+ bias) in float32, rounded to out_dtype."""
+    acc = int8_mm_ref(a, b).float()  # float32(int32 accumulator): one rounding
     out = acc * a_scale.float().view(-1, 1) * b_scale.float().view(1, -1)
     if bias is not None:
         out = out + bias.float()
@@ -53,9 +82,12 @@ def int8_gemm_ref(
 def w8a8_linear_ref(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Torch reference of the W8A8 linear: per-token int8 x [M, K], int8 weight [N, K] -> [M, N] x.dtype."""
-    q, s = int8_quant_ref(x)
-    return int8_gemm_ref(q, weight, s, weight_scale, x.dtype, bias)
+    """Torch reference of the W8A8 linear: per-token int8 x [..., K] (`int8_quant_ref`), int8 weight
+    [N, K] with its scale [N, 1] -> [..., N] x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = int8_quant_ref(x2)
+    out = int8_gemm_ref(q, weight, s, weight_scale, x.dtype, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """int8_quant: per-token symmetric int8 quantization of activations (the W8A8 GEMM's input).
 
 x [M, K] (fp16 / bf16 / fp32) -> q int8 [M, K] and scale float32 [M, 1] with x ~= q * scale, with
-compressed-tensors' rounding exactly (mllmd.models.quantization.ops.per_token_quant_int8):
+compressed-tensors' rounding exactly (`int8_quant_ref`, also the W8A8 layers' torch path):
   scale = max|x_row| / 127.5 (a zero scale becomes float32 eps), q = round_half_even(clamp(x / scale,
   -128, 127)).
 The divisions are correctly rounded (Triton's `/` is an approximate division on NVIDIA; see `_quant_row`) and
