@@ -23,11 +23,10 @@ from mllmd_kernels.splitk import auto_split
 from mllmd_kernels.tiling import fit_stages
 
 # From this many rows on, sm90 (where `tma_supported`) runs the prefill GEMM with TMA loads
-# (int8_gemm_tma, "tma" 128x128x64): on the H200 the W8A8 Qwen3-8B 2,048-token prefill took 34.8 ms
-# against 35.9 ms with the pointer tiling in the same run (bench_quant: 676 against 713 us a layer).
-# Not below: each TMA launch costs about 20 us more host time (two tensor maps encoded: 54.5 against
-# 34.6 us a launch), which a shorter prefill, bound by the host, would pay in full.
-# MLLMD_INT8_TMA_MIN_ROWS overrides it (a diagnostic: a large value turns the TMA tiling off).
+# (int8_gemm_tma, "tma" 128x128x64), which is faster on long prefills. Not below: each TMA launch
+# encodes two tensor maps on the host, a cost that a shorter prefill, bound by the host, would pay in
+# full (the figures: NOTES.md). MLLMD_INT8_TMA_MIN_ROWS overrides it (a diagnostic: a large value
+# turns the TMA tiling off).
 TMA_MIN_ROWS = knobs.int8_tma_min_rows()
 TMA_MODES = ("tma", "tma_persistent")
 
@@ -61,7 +60,7 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
         bk = min(bk, max(16, next_pow2(k)))
         warps = max(1, min(warps, bn * bk // 512))  # >= 16 columns (one 16-byte load) per thread
         split = auto_split(tiles, k, bk, num_sms, ctas_per_sm=2, min_blocks=2)
-        # dp4a: 5-10% faster on all four projections in the H200 sweep (bench_quant --m 1 --sweep int8)
+        # dp4a: faster on all four Qwen3-8B projections in the one-row sweep (bench_quant --m 1 --sweep int8)
         return Int8GemmConfig("gemv", 1, bn, bk, 1, split, warps, 1, dp4a=True)
     if m <= 64:
         bm = max(16, next_pow2(m))
@@ -74,8 +73,7 @@ def pick_int8_config(m: int, n: int, k: int, num_sms: int, smem: int, tma: bool 
     if m <= 128:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 4
     else:
-        # H200 sweep at M=2048 on the Qwen3-8B shapes (bench_quant --m 2048 --sweep): 128x128x64 with
-        # 4 warps and 5 stages was the fastest of 20 tilings on all four, 5-10% ahead of 128x256x128
-        # with 8 warps (qkv 89 us, o 61, gate_up 357, down 168); 80 KB of shared memory fits sm87 too.
+        # The fastest of 20 tilings on all four Qwen3-8B shapes at M = 2,048 (bench_quant --m 2048
+        # --sweep; NOTES.md); its 80 KB of shared memory fits sm87 too.
         bm, bn, bk, warps, stages = 128, 128, 64, 4, 5
     return Int8GemmConfig("gemm", bm, bn, bk, 8, 1, warps, fit_stages((bm + bn) * bk, stages, smem))

@@ -83,8 +83,7 @@ def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: in
         # ALU-bound: a K step of 64 rows x 128 columns per program at 2 warps (16 words per thread; the
         # x planes are shared by the rows, the row scale by the words), prefetched 4 steps deep through
         # shared memory; K split until there are about 6 programs per SM. The best of the bench_quant
-        # sweep on the Qwen3-8B shapes (H200): 9.8 / 7.9 / 22.8 / 14.1 us for qkv / o / gate_up / down,
-        # against 12.8 / 10.4 / 28.7 / 20.1 us for 128 rows at 4 warps, 3 stages.
+        # sweep on the Qwen3-8B shapes (NOTES.md).
         bk = group_block_k(256 if group >= k else 128, group, k)
         bn = max(16, min(512, 8192 // bk, next_pow2(n)))
         split = auto_split(cdiv(n, bn), k, bk, num_sms, ctas_per_sm=6, min_blocks=2)
@@ -101,12 +100,10 @@ def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: in
     return W4A16Config("gemm", bm, bn, bk, 8, 1, warps, fit_stages(bm * bk * 2 + bn * bk // 2, 4, smem))
 
 
-# Where dequantizing W once and calling cuBLAS beats the fused "gemm" tiling (`prefers_dequant`): on
-# an H200 the fused kernel ran the Qwen3-8B projections at M = 2,048 in 1.9-2.3x cuBLAS's bf16 time,
-# while dequantizing is one pass over the weights (N*K/2 bytes read, N*K*2 written). At M = 128 the
-# fused / dequantized times were qkv 50.6 / 37.9 us, o 51.9 / 26.2, gate_up 105 / 150, down 147 / 77
-# (bench_quant --m 128 256): the fused tiling wins only where it has enough tiles to fill the GPU
-# (gate_up: 384 tiles on 132 SMs; the others 64-96). At 256 rows dequantizing won or tied on all four.
+# Where dequantizing W once and calling cuBLAS beats the fused "gemm" tiling (`prefers_dequant`): the
+# fused kernel dequantizes every weight tile once per M tile, while dequantizing is one pass over the
+# weights (N*K/2 bytes read, N*K*2 written). Between the two thresholds the fused tiling wins only
+# where it has enough tiles to fill the GPU (bench_quant --m 128 256; NOTES.md).
 DEQUANT_MIN_ROWS = 128  # below: always the fused kernels
 DEQUANT_ALWAYS_ROWS = 256  # from here: always dequantize + cuBLAS
 

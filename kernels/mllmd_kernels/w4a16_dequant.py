@@ -27,10 +27,8 @@ from mllmd_kernels.w4a16_config import group_block_k
 
 # Scale dtypes the kernels read (each widened to float32 on load, so a bf16 scale that holds the
 # float32 value exactly gives the same products). TritonW4A16Kernel keeps a layer's scales in float32
-# all the same: with bf16 scales the one-row gemv was 21% slower on the H200 (Qwen3-8B batch-1 decode
-# step 3.174 against 2.623 ms, same call): its 2-byte scale loads are not prefetched through the
-# cp.async pipeline as the 4-byte ones are (the sm90 SASS of the K loop has an LDG.E.U16 waited on
-# every step, where float32 scales come in by LDGSTS with the words).
+# all the same: with bf16 scales the one-row gemv is slower, its 2-byte scale loads not prefetched
+# through the cp.async pipeline as the 4-byte ones are (NOTES.md).
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

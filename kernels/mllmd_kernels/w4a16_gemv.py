@@ -10,9 +10,9 @@ x[8j + i] into a float32 partial. Once per K step the partial is multiplied by t
 (channel-wise: once, at the end). Per K step x's planes come from one [BLOCK_K / 8, 8] load split
 with tl.split, and the words are prefetched NUM_STAGES steps ahead through shared memory (cp.async).
 The weight stays in float32 (slightly more accurate than the reference's rounding to x's dtype).
-Tried and slower on the H200: a tensor-core one-row kernel (each nibble pair dequantized by one LOP3 and
-one bf16x2 FMA straight into the MMA operand, 3.2 instructions a weight; 22d8b63, reverted) took
-1.4-1.6x this kernel's time on every Qwen3-8B shape (shared-memory round trips, 6 barriers a K step).
+No tensor cores: a one-row tensor-core version issues fewer instructions a weight but pays more in
+the shared-memory round trips and barriers of its MMA operands (slower on every Qwen3-8B shape;
+this and the other variants tried: NOTES.md).
 
 `w4a16_gemm` launches it (the format, the tiling, split-K: `w4a16_dequant`, `w4a16_config`,
 `splitk`); `tile_words` is the weight layout of bench_quant's DRAM-locality probe (`tiled_w`).

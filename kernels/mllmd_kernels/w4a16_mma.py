@@ -1,7 +1,7 @@
 """w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
 
-The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight; this
-kernel turns two weights into mma.sync operands with one LOP3. It reads the packed words in
+The Triton one-row gemv (`w4a16_gemv`) spends float32 instructions on every weight; this kernel
+turns two weights into mma.sync operands with one LOP3. It reads the packed words in
 `tile_order` (re-laid once at load: a warp's loads are contiguous runs; the Triton W4A16 kernels for
 larger M read the same order through their `mma_vec`, so both share one tensor). Each warp walks its
 slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one.
@@ -163,7 +163,7 @@ def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False) ->
     """CTAs of MAX_WARPS warps; K split over the fewest warps (a power of two up to 8, each warp keeping
     two stages or more) that give every SM MIN_WARPS_PER_SM warps and no warp more than
     MAX_STAGES_PER_WARP stages. On the H200's Qwen3-8B shapes these are the bench_quant sweep's picks
-    (issue 7): qkv / o / down split 8, gate_up 2. With silu a CTA holds its tiles in pairs (split at most
+    (qkv / o / down split 8, gate_up 2: NOTES.md). With silu a CTA holds its tiles in pairs (split at most
     warps / 2)."""
     tuned = tuned_configs().get((n, k))
     if tuned is not None and valid_config(tuned, k, group, silu):
