@@ -66,13 +66,15 @@ def loop_report(ops: list[str], weights_per_thread: int) -> dict[str, Any]:
 
 
 def w4a16_gemv(n: int, k: int, group: int, arch: int) -> dict[str, Any]:
+    from mllmd_kernels.splitk import k_splits
     from mllmd_kernels.testing import compile_asm
-    from mllmd_kernels.w4a16_gemm import _w4a16_gemv_kernel, cdiv, group_block_k, pick_w4a16_config
+    from mllmd_kernels.w4a16_config import group_block_k, pick_w4a16_config
+    from mllmd_kernels.w4a16_gemv import _w4a16_gemv_kernel
 
     cfg = pick_w4a16_config(1, n, k, group, H200_SMS, SMEM)
     bk = group_block_k(cfg.block_k, group, k)
     step = bk * cfg.sub_steps  # K columns per loop trip, as w4a16_gemm splits K
-    split = cdiv(k, cdiv(cdiv(k, cfg.split_k), step) * step)
+    split = k_splits(k, cfg.split_k, step)[1]
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp32", "z_ptr": "*fp32", "bias_ptr": "*fp32",
            "y_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32", "N": "i32", "K": "i32", "KW": "i32",
            "SPLIT_K": "i32", "stride_wn": "i32", "stride_sn": "i32", "stride_sg": "i32", "stride_zn": "i32",

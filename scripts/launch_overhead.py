@@ -10,7 +10,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import gemv, int8_quant, rmsnorm
-from mllmd_kernels.int8_gemm import Int8GemmConfig, int8_gemm, w8a8_linear
+from mllmd_kernels.int8_config import Int8GemmConfig
+from mllmd_kernels.int8_gemm import int8_gemm, w8a8_linear
 from mllmd_kernels.int8_gemm_tma import tma_supported
 
 

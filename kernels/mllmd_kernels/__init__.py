@@ -1,8 +1,21 @@
 """mllmd's kernel library: each kernel sits beside its torch reference (used on CPU and in tests).
 
-Every module imports without Triton (the references and `store_cache` keep working on CPU);
-the Triton wrappers need `triton_available()` (CUDA + Triton), or TRITON_INTERPRET=1 with CPU
-tensors for development.
+Every module imports without Triton (the references and `store_cache` keep working on CPU) and
+without mllmd; the Triton wrappers need `triton_available()` (CUDA + Triton), or TRITON_INTERPRET=1
+with CPU tensors for development. One op per module:
+
+  rmsnorm, rope, activation (silu_and_mul), store_cache, kv_indices, decode_inputs, decode_attention,
+  extend_attention, sampling (gumbel_argmax, greedy_argmax; gumbel: the seeded noise they reproduce),
+  gemv (bf16/fp16 decode GEMV), int8_quant;
+  W8A8: int8_config (tilings), int8_gemv (one row), int8_gemm (tensor cores; the references),
+  int8_gemm_tma (sm90 prefill);
+  W4A16: w4a16_dequant (the int4 format, its references, dequantize), w4a16_config (tilings),
+  w4a16_gemv (one row), w4a16_gemm (tensor cores), w4a16_mma (the CUDA decode kernel's binding and
+  weight layout; csrc/w4a16_mma.cu);
+  shared: splitk (split-K), tiling (GEMM tile helpers), cuda_build (nvcc, the library cache),
+  _triton (the Triton import shim, PDL), knobs (the MLLMD_* environment switches), testing (test
+  helpers), bench/ (micro-benchmarks).
+NOTES.md holds the kernels' lab log: the variants tried and their figures.
 """
 
 from mllmd_kernels._triton import HAS_TRITON, interpreting, pdl_launches, triton_available, triton_runnable
@@ -11,13 +24,12 @@ from mllmd_kernels.decode_attention import decode_attention, decode_attention_re
 from mllmd_kernels.decode_inputs import decode_inputs, decode_inputs_ref
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
 from mllmd_kernels.gemv import GemvConfig, gemv, gemv_ref, pick_gemv_config
+from mllmd_kernels.int8_config import Int8GemmConfig, pick_int8_config
 from mllmd_kernels.int8_gemm import (
-    Int8GemmConfig,
     int8_gemm,
     int8_gemm_ref,
     int8_gemm_silu_mul,
     int8_gemm_silu_mul_amax,
-    pick_int8_config,
     w8a8_linear,
     w8a8_linear_ref,
 )
@@ -33,19 +45,15 @@ from mllmd_kernels.sampling import (
     gumbel_argmax_ref,
 )
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
-from mllmd_kernels.w4a16_gemm import (
+from mllmd_kernels.w4a16_config import W4A16Config, pick_w4a16_config, prefers_dequant, splitk_counter_len
+from mllmd_kernels.w4a16_dequant import (
     SCALE_DTYPES,
-    W4A16Config,
     dequantize_int4_ref,
     pack_int4_ref,
-    pick_w4a16_config,
-    prefers_dequant,
-    splitk_counter_len,
     unpack_int4_ref,
     w4a16_dequantize,
-    w4a16_gemm,
-    w4a16_gemm_ref,
 )
+from mllmd_kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
 
 # isort: split
 # Gated DeltaNet (Qwen3.5) kernels.

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mllmd_kernels import knobs
+
 try:  # pragma: no cover - depends on the environment
     import triton
     import triton.language as tl
@@ -113,10 +115,8 @@ def cdiv(a: int, b: int) -> int:
 # what that one kernel does not write, and write nothing. The RoPE kernel reads the positions, slots,
 # cos/sin rows and norm weights there (the qkv projection before it writes only qkv), decode
 # attention's stage 1 the lengths, request rows and its first tile of slots (RoPE before it writes
-# q and the step's K/V), stage 2 the lengths; tests/kernel/test_pdl.py checks the PTX. On the H200
-# (Qwen3-8B, batch-1 decode, 128 + 64 tokens) it took W4A16's step from 1.890 to 1.843 ms; with
-# 32-token splits as well (not kept: slower at 1,000+ tokens), W4A16 1.838-1.842 and bf16 4.128 to
-# 4.071 ms. RoPE + both attention stages in isolation: 6.6 against 8.3 us at 130-192 tokens.
+# q and the step's K/V), stage 2 the lengths; tests/kernel/test_pdl.py checks the PTX. (What PDL and
+# the early reads gained: NOTES.md.)
 # The launch overlaps a kernel's start (launch, block scheduling, address setup) with the tail of the
 # one before it, which a batch-1 decode step of ~400 short kernels pays once per kernel.
 #
@@ -145,7 +145,7 @@ def pdl_launches() -> Iterator[None]:
 def pdl_supported(device_index: int) -> bool:
     """The device is sm90+ and this Triton launches with PDL (its `launch_pdl` option: Triton 3.4+);
     MLLMD_PDL=0 (read once per process) turns it off for comparison."""
-    if not HAS_TRITON or os.environ.get("MLLMD_PDL", "1") == "0":
+    if not HAS_TRITON or not knobs.pdl_enabled():
         return False
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
@@ -168,10 +168,8 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
 # Weight prefetch before the PDL wait: a one-row GEMV's CTAs start while the kernel before it runs
 # (above), and its weights are memory no kernel of the step writes, so they may be read before
 # `griddepcontrol.wait`. `prefetch_tile_l2` asks L2 for the lines of each program's first weight
-# tile there; the loads after the wait then hit L2. Used by the int8 gemv only: on the H200
-# (Qwen3-8B, batch-1 decode, one run each) it took the W8A8 step from 2.727 to 2.709 ms, while the
-# same prefetch in the bf16 gemv took bf16 from 4.127 to 4.309 ms and in the W4A16 gemv from 2.616
-# to 2.632; two K steps' tiles were slower than one (W8A8 2.845 ms).
+# tile there; the loads after the wait then hit L2. Used by the int8 gemv only: the same prefetch made
+# the bf16 and W4A16 gemvs' decode steps slower, and two K steps' tiles were slower than one (NOTES.md).
 
 
 @triton.jit

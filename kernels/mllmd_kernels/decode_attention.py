@@ -12,18 +12,12 @@ Two stages (split-KV, as in SGLang/vLLM Triton decode):
 The split length is computed on the device from seq_lens (rounded up to BLOCK_N), so NUM_SPLITS is
 the only launch parameter and the launch is CUDA-graph friendly; empty splits are skipped.
 
-Measured on the H200 and not kept (Qwen3-8B heads, one request; RoPE launch + both stages in a CUDA
-graph with PDL, us at 192 tokens unless said; the model's batch-1 W4A16 step in ms, 1.890 before):
-* one launch, the last split of each KV head to finish merging the partials (an arrival counter, as
-  the split-K GEMM does): 9.9 against 6.0 (stage 1 + 2 alone); step 2.211. The merge runs serially
-  in one program, where stage 2 spreads it over Hq programs;
-* QK-norm + RoPE + the K/V store inside stage 1 (no RoPE launch): 8.5 against 7.9; step 2.00-2.13.
-  The step's own k must reach the pool before the split that holds it reads it, which lengthens
-  that program's chain more than the launch it saves (PDL already hides most of a launch);
-* more programs for a short sequence: 32-token tiles, 7.1 against 8.1, but 9.4 against 8.6 at
-  1,000 tokens and 40 against 29 at 16,000; 128-token tiles with splits in multiples of 32 tokens
-  (both with the early reads of _triton.py), 6.5 against 6.7, but 11.0 against 7.3 at 1,000 tokens,
-  and the step only 1-4 us faster.
+Two launches rather than one: a one-launch merge (the last split of each KV head to finish merging
+the partials, as the split-K GEMM does) runs the merge serially in one program, where stage 2
+spreads it over Hq programs, and was slower. RoPE stays a launch of its own: inside stage 1 the
+step's own k must reach the pool before the split that holds it reads it, which lengthens that
+program's chain more than the launch saves (PDL already hides most of a launch). These variants and
+shorter tiles for short sequences, with their figures: NOTES.md.
 """
 
 from __future__ import annotations

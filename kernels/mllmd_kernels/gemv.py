@@ -8,7 +8,7 @@ rows) and optionally split K so that every SM has several weight tiles in flight
   H200 it beats the tensor-core path only for a single row, so `pick_gemv_config` uses it for M == 1;
 * BLOCK_M >= 16 (the default for M >= 2): `_skinny_gemm_kernel` computes acc[BLOCK_N, BLOCK_M] = W_tile @ x_tile^T
   on tensor cores (W is the 64-row operand, x padded to BLOCK_M rows);
-* split_k > 1 writes fp32 partial sums [SPLIT_K, M, N] that `_gemv_reduce_kernel` adds in a fixed
+* split_k > 1 writes fp32 partial sums [SPLIT_K, M, N] that `splitk_reduce` adds in a fixed
   order (deterministic, no atomics, no memset).
 
 No host synchronisation: the launch depends only on shapes, so it can be captured in a CUDA graph.
@@ -16,11 +16,12 @@ No host synchronisation: the launch depends only on shapes, so it can be capture
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, pdl_args, pdl_sync, sm_count_for, tl, triton
+from mllmd_kernels.splitk import auto_split, k_splits, splitk_reduce
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -179,33 +180,6 @@ def _skinny_gemm_kernel(
         tl.store(part_ptr + pid_k * M * N + offs_m[None, :] * N + offs_n[:, None], acc, mask=out_mask)
 
 
-@triton.jit
-def _gemv_reduce_kernel(
-    part_ptr,  # [SPLIT_K, M, N] fp32
-    y_ptr,  # [M, N]
-    M,
-    N,
-    stride_ym,
-    SPLIT_K,
-    BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,  # round the sums to bf16 / fp16 before storing (x's dtype; y may be float32)
-    ROUND_FP16: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    pdl_sync(USE_PDL)
-    m = tl.program_id(1)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, SPLIT_K):  # fixed order: deterministic
-        acc += tl.load(part_ptr + s * M * N + m * N + offs, mask=mask, other=0.0)
-    if ROUND_BF16:
-        acc = acc.to(tl.bfloat16).to(tl.float32)
-    if ROUND_FP16:
-        acc = acc.to(tl.float16).to(tl.float32)
-    tl.store(y_ptr + m * stride_ym + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
 def pick_gemv_config(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
     """Tile sizes for x[m, k] @ W[n, k]^T (from sweeps on an H200 over the Qwen3-8B projections)."""
     if m == 1:
@@ -226,11 +200,7 @@ def pick_gemv_config(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype = 
 
 def with_auto_split(cfg: GemvConfig, n: int, k: int, num_sms: int) -> GemvConfig:
     """Split K until there are about two tiles per SM (never below 4 K-blocks per split)."""
-    tiles_n = cdiv(n, cfg.block_n)
-    split = 1
-    while tiles_n * split * 2 <= 2 * num_sms and k // (split * 2) >= 4 * cfg.block_k:
-        split *= 2
-    return GemvConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
+    return replace(cfg, split_k=auto_split(cdiv(n, cfg.block_n), k, cfg.block_k, num_sms))
 
 
 def gemv(
@@ -253,9 +223,7 @@ def gemv(
         return out
     cfg = config or pick_gemv_config(m, n, k, sm_count_for(x), x.dtype)
     assert cfg.block_m >= m, f"block_m {cfg.block_m} < {m} rows"
-    split = cfg.split_k
-    k_per_split = cdiv(cdiv(k, split), cfg.block_k) * cfg.block_k
-    split = cdiv(k, k_per_split)
+    k_per_split, split = k_splits(k, cfg.split_k, cfg.block_k)
     even_k = k % cfg.block_k == 0
     part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (cdiv(n, cfg.block_n), split)
@@ -273,10 +241,6 @@ def gemv(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **pdl_args(x),
         )
-    if split > 1:
-        block = min(1024, next_pow2(n))
-        _gemv_reduce_kernel[(cdiv(n, block), m)](
-            part, out, m, n, out.stride(0), SPLIT_K=split, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16,
-            ROUND_FP16=x.dtype == torch.float16, **pdl_args(x)
-        )
+    if split > 1:  # rounded to x's dtype first (float32 out)
+        splitk_reduce(part, out, round_to=x.dtype)
     return out

@@ -9,12 +9,9 @@ output tile per program (GROUP_M swizzle as in int8_gemm); "tma_persistent" laun
 SM that walks the tiles in the same swizzled order.
 
 Picked by int8_gemm from TMA_MIN_ROWS (1,024) rows on where `tma_supported` ("tma", 128x128x64, 4
-warps, 5 stages); "tma_persistent" only by explicit configs and bench_quant's sweep. On the H200 the
-W8A8 Qwen3-8B 2,048-token prefill took 34.8 ms with it against 35.9 ms without in the same run
-(bench_quant, CUDA-graph replays: 672-676 us a layer against 707-713). Every launch encodes two
-tensor maps on the host (about 20 us more than the pointer tiling's launch), which is why shorter
-prefills, bound by the host, keep the pointer tiling. (An earlier single run with it picked for every
-prefill, on another machine and older code, took 44.1 ms; not seen again.)
+warps, 5 stages); "tma_persistent" only by explicit configs and bench_quant's sweep. It makes long
+prefills faster; every launch encodes two tensor maps on the host, which is why shorter prefills,
+bound by the host, keep the pointer tiling (the figures: NOTES.md).
 
 Hopper-only, so never the default path on Orin (sm87): `tma_supported` is False below compute
 capability 9.0, on Triton builds without tensor descriptors, and for operands TMA cannot address
@@ -28,7 +25,9 @@ import functools
 import torch
 
 from mllmd_kernels._triton import HAS_TRITON, cdiv, tl, triton
-from mllmd_kernels.int8_gemm import TMA_MODES, Int8GemmConfig, _store_scaled_tile, swizzled_tile_start
+from mllmd_kernels.int8_config import TMA_MODES, Int8GemmConfig
+from mllmd_kernels.int8_gemm import _store_scaled_tile
+from mllmd_kernels.tiling import swizzled_tile_start
 
 try:  # Triton >= 3.3 on the host side
     from triton.tools.tensor_descriptor import TensorDescriptor

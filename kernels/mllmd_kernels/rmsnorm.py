@@ -145,10 +145,8 @@ def _launch(
     num_warps = 1 if block <= 256 else 4 if block <= 2048 else 8 if block <= 8192 else 16
     if quant and x2.shape[0] == 1 and block == 4096:
         # One quantized row of 4,096 (batch-1 decode): with 8 warps Triton gives the int8 store 16
-        # elements a thread and the residual store 8, so the residual goes through shared memory
-        # (7 barriers against 5 with 16 warps, Triton 3.6 sm_90 TTGIR). H200, one launch: 2.33 us
-        # with 16 warps against 2.47 with 8 (plain rmsnorm: 1.55). W8A8 Qwen3-8B batch-1 decode step:
-        # 2.741 ms against 2.762 with 8 warps (same H200 call, one run each).
+        # elements a thread and the residual store 8, so the residual goes through shared memory;
+        # 16 warps avoid that conversion and are faster (NOTES.md).
         num_warps = 16
     _rmsnorm_kernel[(x2.shape[0],)](
         x2, r2, weight, o2, ro2, scale, h, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0), eps,

@@ -2,7 +2,7 @@
 the torch sampler) and greedy_argmax (an all-greedy batch's tokens in one launch).
 
 gumbel_argmax: row s samples argmax_c ((x[c] - max(x)) / T + g(k, c)) over the whole vocabulary, where g is the
-stateless Gumbel noise of mllmd/engine/sampling/gumbel.py (32-bit lowbias32 hashes of the column
+stateless Gumbel noise of `gumbel` (32-bit lowbias32 hashes of the column
 under the row key k, mapped to (0, 1) and through -log(-log(u)) in float64, rounded to float32).
 Ties go to the smallest column, as torch.argmax does. One program per row: a pass for the row max,
 then a pass that hashes, adds and keeps the running argmax, so the [rows, V] noise and score tensors
@@ -23,10 +23,7 @@ from __future__ import annotations
 import torch
 
 from mllmd_kernels._triton import cdiv, next_pow2, tl, triton
-
-MASK32 = 0xFFFFFFFF
-MIX_MUL1 = 0x21F0AAAD
-MIX_MUL2 = 0x735A2D97
+from mllmd_kernels.gumbel import gumbel_noise
 
 
 def gumbel_argmax_ref(
@@ -36,8 +33,6 @@ def gumbel_argmax_ref(
     temperatures: torch.Tensor,  # [S] float32 > 0
 ) -> torch.Tensor:
     """Torch reference, the sampler's own unfiltered path: int64 [S]."""
-    from mllmd.engine.sampling.gumbel import gumbel_noise
-
     x = logits[rows].float()
     z = (x - x.max(dim=-1, keepdim=True).values).div_(temperatures[:, None])
     return (z + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
@@ -45,6 +40,7 @@ def gumbel_argmax_ref(
 
 @triton.jit
 def _mix32(x):
+    """gumbel.mix32 on uint32 words held in int64 (the same multipliers, masked the same way)."""
     x = x ^ (x >> 16)
     x = (x * 0x21F0AAAD) & 0xFFFFFFFF
     x = x ^ (x >> 15)

@@ -126,11 +126,11 @@ def int8_gemv_ptx(fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = F
 def int8_gemv_asm(
     fuse: bool, block_k: int, warps: int, arch: int, pdl: bool = False, amax_in: int = 0
 ) -> dict[str, Any]:
-    """The one-row `_int8_gemv_kernel` compiled as `_gemv` launches it with dp4a (BLOCK_N 16, K a
+    """The one-row `_int8_gemv_kernel` compiled as `int8_gemv` launches it with dp4a (BLOCK_N 16, K a
     multiple of the block): on int8 rows, or (`fuse`) on a bf16 row it quantizes, its scale from up
     to `amax_in` max|x| partials if given; `pdl`: a PDL launch (sm90+), with the weight prefetch
     before the wait."""
-    from mllmd_kernels.int8_gemm import _int8_gemv_kernel
+    from mllmd_kernels.int8_gemv import _int8_gemv_kernel
 
     sig = {"a_ptr": "*bf16" if fuse else "*i32", "b_ptr": "*i32", "as_ptr": "*fp32", "bs_ptr": "*fp32",
            "bias_ptr": "*fp32", "c_ptr": "*bf16", "part_ptr": "*bf16", "N": "i32", "K": "i32",

@@ -1,7 +1,7 @@
 """w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
 
-The Triton one-row gemv (`w4a16_gemm`) dequantizes in float32 at 4.2 instructions a weight; this
-kernel turns two weights into mma.sync operands with one LOP3. It reads the packed words in
+The Triton one-row gemv (`w4a16_gemv`) spends float32 instructions on every weight; this kernel
+turns two weights into mma.sync operands with one LOP3. It reads the packed words in
 `tile_order` (re-laid once at load: a warp's loads are contiguous runs; the Triton W4A16 kernels for
 larger M read the same order through their `mma_vec`, so both share one tensor). Each warp walks its
 slice of K 256 columns at a time in registers, loading the next stage while it multiplies this one.
@@ -13,8 +13,9 @@ can also apply the RMSNorm before the layer and silu(gate) * up after a gate/up 
 `silu=True`): the decode step then runs no rmsnorm or silu_and_mul kernel beside it.
 
 It is an optional accelerator: the source is compiled once per GPU architecture with the CUDA
-toolkit's `nvcc` into a shared library (no PyTorch headers; loaded with ctypes, launched on the
-current stream, so CUDA graphs capture it) and cached under `cache_dir()`. Where no nvcc is found,
+toolkit's `nvcc` into a shared library (`cuda_build`: no PyTorch headers, cached under
+`cuda_build.cache_dir()`), loaded here with ctypes and launched on the current stream, so CUDA
+graphs capture it. Where no nvcc is found,
 the build fails or MLLMD_CUDA_KERNELS=0, `unavailable_reason` says why and callers keep the Triton
 kernels. sm80+ only (mma.sync bf16 / fp16; Jetson Orin is sm87); PDL on sm90+.
 """
@@ -23,18 +24,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import json
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from mllmd_kernels import cuda_build, knobs
 from mllmd_kernels._triton import pdl_args, sm_count_for
 from mllmd_kernels.rmsnorm import NormInput
 
@@ -45,7 +43,6 @@ ABI_VERSION = 10  # mllmd_w4a16_mma_abi() of a library this module can call
 MAX_ROWS = 8  # x rows: the MMA's 8 B columns
 MAX_WARPS = 8  # kMaxWarps in the source
 STAGE_K = 256  # columns of a warp's loop stage (kStageCols): K must be a multiple
-BUILD_TIMEOUT_S = 600
 # Warps a launch should give each SM at least (split-K until it does): enough loads in flight; and
 # stages a warp should stream at most (a long row is split even when the SMs have warps enough).
 MIN_WARPS_PER_SM = 16
@@ -154,7 +151,7 @@ def smem_bytes(m: int, k: int, vec: int, warps: int, dtype: torch.dtype) -> int:
 def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
     """Launch configs by (N, K) from the JSON file $MLLMD_W4A16_MMA_TUNED names ({"N,K": [split, warps]},
     what `bench_quant --sweep w4a16_mma` prints as the best per shape); {} when unset."""
-    path = os.environ.get("MLLMD_W4A16_MMA_TUNED")
+    path = knobs.w4a16_mma_tuned_path()
     if not path:
         return {}
     with open(path) as f:
@@ -166,7 +163,7 @@ def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False) ->
     """CTAs of MAX_WARPS warps; K split over the fewest warps (a power of two up to 8, each warp keeping
     two stages or more) that give every SM MIN_WARPS_PER_SM warps and no warp more than
     MAX_STAGES_PER_WARP stages. On the H200's Qwen3-8B shapes these are the bench_quant sweep's picks
-    (issue 7): qkv / o / down split 8, gate_up 2. With silu a CTA holds its tiles in pairs (split at most
+    (qkv / o / down split 8, gate_up 2: NOTES.md). With silu a CTA holds its tiles in pairs (split at most
     warps / 2)."""
     tuned = tuned_configs().get((n, k))
     if tuned is not None and valid_config(tuned, k, group, silu):
@@ -182,68 +179,6 @@ def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False) ->
     if silu:
         split = min(split, MAX_WARPS // 2)
     return MmaConfig(split, MAX_WARPS)
-
-
-def find_nvcc() -> str | None:
-    """The CUDA compiler: $MLLMD_NVCC, $CUDA_HOME/bin/nvcc, nvcc on PATH, /usr/local/cuda/bin/nvcc."""
-    candidates = [os.environ.get("MLLMD_NVCC")]
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidates.append(os.path.join(os.environ[var], "bin", "nvcc"))
-    candidates += [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
-    for c in candidates:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    return None
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept: $MLLMD_KERNEL_CACHE, else $XDG_CACHE_HOME/mllmd/cuda (the
-    systemd unit sets XDG_CACHE_HOME=/var/cache/mllmd), else ~/.cache/mllmd/cuda."""
-    if os.environ.get("MLLMD_KERNEL_CACHE"):
-        return Path(os.environ["MLLMD_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mllmd" / "cuda"
-
-
-def build_command(nvcc: str, arch: str, out: str) -> list[str]:
-    """nvcc arguments that build SOURCE for sm_`arch` into the shared library `out` (the CUDA runtime
-    linked statically; a toolkit from PyPI's nvidia-cuda-* wheels keeps it in ../lib, not lib64)."""
-    cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    lib = Path(nvcc).resolve().parent.parent / "lib"
-    if (lib / "libcudart_static.a").is_file():
-        cmd.append(f"-L{lib}")
-    return cmd + ["-o", out, str(SOURCE)]
-
-
-def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
-
-
-def library_path(nvcc: str, arch: str) -> Path:
-    """The cached library for this source, compiler and architecture."""
-    key = hashlib.sha256(SOURCE.read_bytes() + _nvcc_version(nvcc).encode() + arch.encode()).hexdigest()[:16]
-    return cache_dir() / f"w4a16_mma_sm{arch}_{key}.so"
-
-
-def build(nvcc: str, arch: str) -> Path:
-    """Compile SOURCE for sm_`arch` unless cached; atomic (a temporary file renamed into place)."""
-    path = library_path(nvcc, arch)
-    if path.exists():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
-    os.close(fd)
-    try:
-        logger.info("building the W4A16 CUDA kernel for sm_%s with %s (once per GPU kind)", arch, nvcc)
-        proc = subprocess.run(build_command(nvcc, arch, tmp), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
 
 
 class _Library:
@@ -271,15 +206,15 @@ _REASONS: dict[str, str] = {}
 
 @functools.lru_cache(maxsize=8)
 def _library_for(arch: str) -> _Library | None:
-    if os.environ.get("MLLMD_CUDA_KERNELS", "auto").lower() in ("0", "off", "false", "no"):
+    if not knobs.cuda_kernels_enabled():
         _REASONS[arch] = "turned off by MLLMD_CUDA_KERNELS"
         return None
-    nvcc = find_nvcc()
+    nvcc = cuda_build.find_nvcc()
     if nvcc is None:
         _REASONS[arch] = "no nvcc found (set CUDA_HOME or MLLMD_NVCC)"
         return None
     try:
-        return _Library(build(nvcc, arch))
+        return _Library(cuda_build.build(SOURCE, nvcc, arch))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _REASONS[arch] = f"build failed: {e}"
         logger.warning("W4A16 CUDA kernel unavailable for sm_%s, using the Triton kernels: %s", arch, e)

@@ -7,6 +7,14 @@ import math
 import numpy as np
 import pytest
 import torch
+from mllmd_kernels.gumbel import (
+    gumbel_py,
+    mix32,
+    mix32_py,
+    row_key_py,
+    uniform_to_gumbel,
+    words_to_uniform,
+)
 
 from mllmd.engine.sampling import (
     Sampler,
@@ -19,14 +27,6 @@ from mllmd.engine.sampling import (
     process_logits,
     row_keys,
     uniform,
-)
-from mllmd.engine.sampling.gumbel import (
-    gumbel_py,
-    mix32,
-    mix32_py,
-    row_key_py,
-    uniform_to_gumbel,
-    words_to_uniform,
 )
 from mllmd.sampling_params import SamplingParams as SP
 

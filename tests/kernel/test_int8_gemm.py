@@ -26,7 +26,7 @@ from mllmd_kernels import (
     w8a8_linear,
     w8a8_linear_ref,
 )
-from mllmd_kernels.int8_gemm import w8a8_gemv
+from mllmd_kernels.int8_gemv import w8a8_gemv
 from mllmd_kernels.testing import (
     DTYPES,
     DTYPES_WITH_FP32,
@@ -206,7 +206,7 @@ def test_one_row_picks_the_gemv() -> None:
 def test_long_prefills_pick_tma_only_where_it_runs() -> None:
     """From TMA_MIN_ROWS rows the prefill tiling is the TMA one when the operands allow it (sm90),
     the pointer tiling otherwise and below (Orin, A100, shorter prefills bound by the host)."""
-    from mllmd_kernels.int8_gemm import TMA_MIN_ROWS
+    from mllmd_kernels.int8_config import TMA_MIN_ROWS
 
     for n, k in [(6144, 4096), (4096, 12288)]:
         assert pick_int8_config(TMA_MIN_ROWS, n, k, 132, 232448, tma=True).mode == "tma"
@@ -265,7 +265,7 @@ def test_w8a8_gemv_fused_quant_is_bit_exact(cfg: Int8GemmConfig | None, dtype: t
 def test_w8a8_gemv_fused_quant_edge_rows(monkeypatch: pytest.MonkeyPatch, scale_bytes: int) -> None:
     """A zero row (scale = eps), a single large value, tiny and huge magnitudes; max|x| over several
     chunks of the row (128 bytes: 64 bf16 / 32 fp32 values per chunk) or one; split and unsplit."""
-    monkeypatch.setattr(importlib.import_module("mllmd_kernels.int8_gemm"), "GEMV_SCALE_BYTES", scale_bytes)
+    monkeypatch.setattr(importlib.import_module("mllmd_kernels.int8_gemv"), "GEMV_SCALE_BYTES", scale_bytes)
     n, k = 40, 200
     g = torch.Generator().manual_seed(5)
     w = _int8(n, k, gen=g)

@@ -239,7 +239,7 @@ def test_w4a16_dequantize_equals_reference(
 def test_tuned_gemv_tilings_file(tmp_path, monkeypatch) -> None:
     """MLLMD_W4A16_TUNED names a {"N,K": tiling} file that overrides the one-row pick for those shapes
     only (the tiling runs and matches the reference); a tiling that is not a gemv is refused."""
-    from mllmd_kernels.w4a16_gemm import pick_w4a16_config, tuned_gemv_configs
+    from mllmd_kernels.w4a16_config import pick_w4a16_config, tuned_gemv_configs
 
     tuned = W4A16Config("gemv", 1, 16, 32, 1, 2, 2, 2, sub_steps=4)
     path = tmp_path / "tuned.json"
@@ -274,7 +274,7 @@ def test_tuned_gemv_tilings_file(tmp_path, monkeypatch) -> None:
 def test_tiled_words_probe_equals_stored_layout(sub: int) -> None:
     """bench_quant's DRAM-locality probe: `tile_words` re-lays the words tile by tile and the gemv
     reading that layout (tiled_w) gives the stored layout's outputs bit for bit."""
-    from mllmd_kernels.w4a16_gemm import tile_words
+    from mllmd_kernels.w4a16_gemv import tile_words
 
     n, k, group = 64, 512, 64
     g = torch.Generator().manual_seed(11 + sub)

@@ -1,5 +1,5 @@
-"""w4a16_mma's host side without a GPU: which shapes it takes, where it finds nvcc and caches the
-library, how a failed or disabled build is reported; and, where an nvcc is at hand (CI installs one
+"""w4a16_mma's host side without a GPU: which shapes it takes, where cuda_build finds nvcc and caches
+the library, how a failed or disabled build is reported; and, where an nvcc is at hand (CI installs one
 beside the venv: MLLMD_NVCC), the CUDA source compiled for Jetson Orin (sm87) and the H200 (sm90)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from mllmd_kernels import cuda_build
 from mllmd_kernels import w4a16_mma as mma
 
 
@@ -81,20 +82,20 @@ def _fake_nvcc(tmp_path: Path, body: str) -> Path:
 def test_find_nvcc_prefers_mllmd_nvcc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     nvcc = _fake_nvcc(tmp_path, "exit 0\n")
     monkeypatch.setenv("MLLMD_NVCC", str(nvcc))
-    assert mma.find_nvcc() == str(nvcc)
+    assert cuda_build.find_nvcc() == str(nvcc)
     monkeypatch.setenv("MLLMD_NVCC", str(tmp_path / "missing"))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "toolkit"))
     (tmp_path / "toolkit" / "bin").mkdir(parents=True)
     other = _fake_nvcc(tmp_path / "toolkit" / "bin", "exit 0\n")
-    assert mma.find_nvcc() == str(other)
+    assert cuda_build.find_nvcc() == str(other)
 
 
 def test_cache_dir_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MLLMD_KERNEL_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert mma.cache_dir() == tmp_path / "xdg" / "mllmd" / "cuda"
+    assert cuda_build.cache_dir() == tmp_path / "xdg" / "mllmd" / "cuda"
     monkeypatch.setenv("MLLMD_KERNEL_CACHE", str(tmp_path / "k"))
-    assert mma.cache_dir() == tmp_path / "k"
+    assert cuda_build.cache_dir() == tmp_path / "k"
 
 
 def test_build_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -107,11 +108,11 @@ def test_build_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         f'echo build >> {log}\nwhile [ "$1" != "-o" ]; do shift; done\necho lib > "$2"\n',
     )
     monkeypatch.setenv("MLLMD_KERNEL_CACHE", str(tmp_path / "cache"))
-    first = mma.build(str(nvcc), "87")
+    first = cuda_build.build(mma.SOURCE, str(nvcc), "87")
     assert first.read_text() == "lib\n" and first.parent == tmp_path / "cache"
-    assert mma.build(str(nvcc), "87") == first
+    assert cuda_build.build(mma.SOURCE, str(nvcc), "87") == first
     assert log.read_text().count("build") == 1
-    assert mma.build(str(nvcc), "90") != first
+    assert cuda_build.build(mma.SOURCE, str(nvcc), "90") != first
     assert log.read_text().count("build") == 2
     assert not list((tmp_path / "cache").glob("*.tmp"))  # no partial file left
 
@@ -125,7 +126,7 @@ def test_failed_build_names_the_compiler_error(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setenv("MLLMD_NVCC", str(nvcc))
     monkeypatch.delenv("MLLMD_CUDA_KERNELS", raising=False)
     with pytest.raises(RuntimeError, match="no mma here"):
-        mma.build(str(nvcc), "87")
+        cuda_build.build(mma.SOURCE, str(nvcc), "87")
     assert mma._library_for("87") is None
     assert "build failed" in mma._REASONS["87"] and "no mma here" in mma._REASONS["87"]
     assert not list((tmp_path / "cache").glob("*"))  # nothing half-built is kept
@@ -139,7 +140,7 @@ def test_turned_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _real_nvcc() -> str | None:
-    nvcc = mma.find_nvcc()
+    nvcc = cuda_build.find_nvcc()
     if nvcc is None:
         return None
     try:
@@ -156,8 +157,8 @@ def test_source_compiles_without_spills(arch: str, tmp_path: Path) -> None:
     vector, with and without zero points, bf16's offset form for one row; the bench probes), with no
     register spills; the library's shared-memory sizes are smem_bytes'."""
     out = tmp_path / f"w4a16_mma_sm{arch}.so"
-    cmd = mma.build_command(_real_nvcc(), arch, str(out)) + ["-Xptxas", "-v"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=mma.BUILD_TIMEOUT_S)
+    cmd = cuda_build.build_command(mma.SOURCE, _real_nvcc(), arch, str(out)) + ["-Xptxas", "-v"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=cuda_build.BUILD_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.stat().st_size > 0
     kernels = re.findall(r"Compiling entry function '(\w+)'", proc.stderr)

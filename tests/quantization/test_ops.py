@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mllmd_kernels.int8_gemm import _int_mm_works
 
 from mllmd.models.layers import Linear, MergedLinear
 from mllmd.models.quantization import LinearScheme, QuantLinearKernel, ops, register_kernel, select_kernel
@@ -48,7 +49,7 @@ def test_per_token_quant_matches_compressed_tensors_fake_quant() -> None:
 @pytest.mark.parametrize("use_int_mm", [True, False])
 def test_int8_mm_is_exact(m: int, use_int_mm: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     if not use_int_mm:
-        monkeypatch.setitem(ops._int_mm_works, "cpu", False)
+        monkeypatch.setitem(_int_mm_works, "cpu", False)
     elif not ops.int_mm_available(torch.device("cpu")):
         pytest.skip("torch._int_mm is not available on this CPU build")
     g = torch.Generator().manual_seed(m)

@@ -32,10 +32,16 @@ def _rmsnorm_case(t: int, dtype: torch.dtype, copy_gbps: float) -> None:
     emit(row("rmsnorm+residual", f"T={t} H={HIDDEN}", dtype, ours, ref, nbytes, copy_gbps))
 
 
-def _rope_case(t: int, dtype: torch.dtype, copy_gbps: float) -> None:
-    from mllmd.models.layers.rotary import RotaryEmbedding
+def _rope_tables(max_position: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RoPE tables cos / sin [P, D] float32 ("rotate_half" layout: the frequencies twice)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.int64).float(), inv_freq)  # [P, D / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    return emb.cos().to(DEVICE), emb.sin().to(DEVICE)
 
-    rot = RotaryEmbedding(D, 40960, 1_000_000.0).to(DEVICE)
+
+def _rope_case(t: int, dtype: torch.dtype, copy_gbps: float) -> None:
+    cos, sin = _rope_tables(40960, 1_000_000.0)
     qw = torch.randn(D, device=DEVICE, dtype=dtype) * 0.1 + 1
     kw = torch.randn(D, device=DEVICE, dtype=dtype) * 0.1 + 1
     nbytes = 2 * t * (HQ + HKV) * D * 2
@@ -45,7 +51,6 @@ def _rope_case(t: int, dtype: torch.dtype, copy_gbps: float) -> None:
     ks = [x[:, HQ * D : (HQ + HKV) * D].view(t, HKV, D) for x in qkvs]
     pos = torch.randint(0, 40960, (t,), device=DEVICE)
     qo, ko = _rand(t, HQ, D, dtype=dtype, sets=sets), _rand(t, HKV, D, dtype=dtype, sets=sets)
-    cos, sin = rot.cos_cache, rot.sin_cache
     ours = time_calls(lambda i: rope(pos, qs[i], ks[i], cos, sin, qw, kw, 1e-6, q_out=qo[i], k_out=ko[i]), sets)
     ref = time_calls(lambda i: rope_ref(pos, qs[i], ks[i], cos, sin, qw, kw, 1e-6), sets)
     emit(row("rope+qk_norm", f"T={t} Hq={HQ} Hkv={HKV} D={D}", dtype, ours, ref, nbytes, copy_gbps))

@@ -49,29 +49,18 @@ from mllmd_kernels.bench.common import (
     set_log,
     time_calls,
 )
-from mllmd_kernels.int8_gemm import (
-    Int8GemmConfig,
-    auto_split,
-    int8_gemm,
-    int8_gemm_silu_mul,
-    max_shared_memory,
-    pick_int8_config,
-    w8a8_gemv,
-    w8a8_linear,
-    w8a8_linear_ref,
-)
+from mllmd_kernels.int8_config import Int8GemmConfig, pick_int8_config
+from mllmd_kernels.int8_gemm import int8_gemm, int8_gemm_silu_mul, w8a8_linear, w8a8_linear_ref
 from mllmd_kernels.int8_gemm_tma import TMA_MODES, tma_supported
+from mllmd_kernels.int8_gemv import w8a8_gemv
 from mllmd_kernels.int8_quant import int8_quant
 from mllmd_kernels.rmsnorm import rmsnorm
-from mllmd_kernels.w4a16_gemm import (
-    W4A16Config,
-    pick_w4a16_config,
-    splitk_counter_len,
-    tile_words,
-    w4a16_dequantize,
-    w4a16_gemm,
-    w4a16_gemm_ref,
-)
+from mllmd_kernels.splitk import auto_split
+from mllmd_kernels.tiling import max_shared_memory
+from mllmd_kernels.w4a16_config import W4A16Config, pick_w4a16_config, splitk_counter_len
+from mllmd_kernels.w4a16_dequant import w4a16_dequantize
+from mllmd_kernels.w4a16_gemm import w4a16_gemm, w4a16_gemm_ref
+from mllmd_kernels.w4a16_gemv import tile_words
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
@@ -143,11 +132,8 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
     if m == 1:  # the gemv: (block_n, block_k, warps, stages, sub_steps); sub_steps * 64 contiguous bytes
         # a row per loop trip (DRAM locality) at the same registers; K split for ~4-16 programs per SM
         # stages 1: no shared-memory pipeline, the trip's words loaded straight into registers (as the
-        # int8 gemv does). H200 (stop 20): of all these only gate/up's 64x128 sub_steps 2, 3 stages beat
-        # the default (22.6 against 24.0 us); none of the stages-1 tilings did
-        # (stop 21: 256 weights a thread per step, 128 rows at 2 warps or 64 at 1, 3.85 instructions a
-        # weight in the sm90 SASS against 4.22, were no faster on any shape and the model step with
-        # their picks was slower, 2.670 against 2.620 ms; so they are not in the list)
+        # int8 gemv does). Tilings of 256 weights a thread per step are not in the list: no faster on
+        # any shape, and the model step slower with their picks (these sweeps' figures: NOTES.md)
         for bn, bk, warps, stages, sub in [
             (64, 128, 2, 4, 1), (64, 128, 2, 3, 2), (16, 128, 2, 1, 8), (16, 128, 2, 1, 16), (32, 128, 2, 1, 4),
             (32, 128, 2, 1, 8), (64, 128, 2, 1, 2), (64, 128, 2, 1, 4), (16, 128, 1, 1, 8), (32, 128, 4, 1, 8),

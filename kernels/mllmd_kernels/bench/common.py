@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -12,10 +11,12 @@ from typing import Any, TextIO
 
 import torch
 
+from mllmd_kernels import knobs
+
 L2_DEFEAT_BYTES = 512 << 20  # rotate inputs until this many bytes separate two uses of one set
 # Smoke mode (MLLMD_BENCH_SMOKE=1): tiny shapes on the CPU under TRITON_INTERPRET=1, to check that
 # the benchmark scripts run before spending device time; its numbers mean nothing.
-SMOKE = os.environ.get("MLLMD_BENCH_SMOKE") == "1"
+SMOKE = knobs.bench_smoke()
 DEVICE = "cpu" if SMOKE else "cuda"
 
 _LOG: TextIO | None = None

@@ -5,11 +5,11 @@
 // stored as q + 8, the words re-laid once at load in "mma tile order" (w4a16_mma.tile_order): tile by
 // tile (16 rows), stage by stage (256 columns), a stage's 512 words in the order its loads take them:
 // chunk u, then rows r / r + 8, then lane (r, t), then the lane's VEC words. A warp's load is then
-// 512 contiguous bytes (VEC = 4) and a tile's stage one 2 KB block: on the H200 the loads alone ran
-// 10% faster than from the checkpoint's row-major words (issue 7: gate/up 14.1 against 15.7 us),
-// and the kernel 4% (40.5 against 42.4 us for a Qwen3-8B layer's four projections); the pointers
-// step a stage at a time, with the chunks and rows r + 8 at immediate offsets. Scales float32 and zero
-// points int8 (asymmetric only) are [N, G], stored G-major (element (n, g) at g * N + n).
+// 512 contiguous bytes (VEC = 4) and a tile's stage one 2 KB block, faster than the checkpoint's
+// row-major words (mllmd_kernels/NOTES.md has the figures of this and of every variant below); the
+// pointers step a stage at a time, with the chunks and rows r + 8 at immediate offsets. Scales
+// float32 and zero points int8 (asymmetric only) are [N, G], stored G-major (element (n, g) at
+// g * N + n).
 // w = (q - zero_point) * scale.
 //
 // A warp owns 16 weight rows (a "tile": the MMA's A operand, 16 x 16 per step) and a slice of K; `split`
@@ -20,22 +20,9 @@
 // Loads: a warp walks its K slice a "stage" (256 columns: 8 words of each of a lane's two rows, with its
 // groups' scales and zero points) at a time, in registers, loading the next stage while it multiplies
 // this one (two register sets that alternate: no copies). The first stage is loaded before the PDL wait
-// (no kernel writes the weights). On the H200 this was faster than a per-warp cp.async ring of
-// shared-memory stages (issue 7: Qwen3-8B batch-1 step 2.161-2.167 against 2.317 ms, one call), and
-// faster than asking L2 for 2 to 8 stages ahead as well (prefetch.global.L2 from the lanes of column
-// 0: gate/up 19.8-21.9 against 16.9 us, step 2.32-2.41 against 2.09 ms). Also slower on the H200
-// (issue 7, on tile-ordered words): a third register stage (126 registers, 2 CTAs an SM: gate/up
-// 19.5 against 15.9 us); x staged four vectors a thread at once (qkv 7.3 against 6.9 us, step 2.055
-// against 2.018 ms); and the offset form in fp16, x scaled per chunk (an fp16 mantissa takes a nibble
-// at bits [0, 4) and one at [4, 8), so two words need one shift instead of three: 358 instructions a
-// trip against 446, but 92 registers, or 80 with spills: gate/up 20.7 / 16.2 against 15.9 us); x copied
-// to shared memory with cp.async, every copy in flight at once (.cg: 4.2-6.5 us slower a launch; .ca:
-// within 0.2 us of the loads below); CTAs of 12 warps (down 12.3 against 11.8 us); both register
-// stages loaded before the PDL wait with a 3-CTA launch bound (batch-1 step 2.21 against 2.02 ms);
-// three register stages, two loaded before the PDL wait (108 registers: down 11.8 against 11.4 us,
-// qkv 11.9 against 8.7, step 2.100 against 2.013 ms); and, for the whole-row staging, six of x's
-// vectors a thread loaded at once (down 10.9 against 11.1 us, but qkv 9.0 against 8.6 and the step
-// 2.056 against 2.022 ms).
+// (no kernel writes the weights). Of the forms tried this was the fastest: a per-warp cp.async ring
+// of shared-memory stages, L2 prefetches of later stages, a third register stage, wider CTAs and the
+// other variants NOTES.md lists were slower.
 //
 // MMA operands: the A fragment of m16n8k16 gives lane (r, t) the K slots {2t, 2t + 1} and {2t + 8,
 // 2t + 9} of rows r and r + 8, and the B fragment gives it the same K slots of column r; any one-to-one
@@ -50,10 +37,7 @@
 //    the whole row once per CTA (the norm needs all of it first); one without (16-byte vectors)
 //    "streams" it: each warp stages only its own stages, one 512-byte stage at a time into a buffer
 //    of its own (a 16-byte vector a lane, loaded one stage ahead; the chunk sums from the same shuffle
-//    tree), with no CTA barrier. On the H200 staging the whole row cost the down projection 2.25 us a
-//    layer in the decode step (a probe without it: batch-1 step 1.930 against 2.013 ms); streamed, o
-//    and down take 5.2 / 9.4 against 5.6 / 11.2 us and the step 1.890-1.901 against 2.014 ms (issue 7;
-//    94 registers, 2 CTAs an SM: under a 3-CTA launch bound, 80 registers, it was slower, 2.079 ms).
+//    tree), with no CTA barrier, which is faster than staging the whole row in every CTA (NOTES.md).
 //  * "exact" (fp16, several rows): one packed FMA subtracts the offset from each pair before the MMA
 //    (fp16's offset would be 8x larger than bf16's against the same float32 sums), and x is loaded
 //    from global memory (L1) with two byte permutes a pair.
@@ -480,8 +464,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   unsigned char* xbuf = xs + warp * 1024;  // kStream: this warp's two 512-byte stage buffers
 
   // Two stages in registers: one multiplied while the next loads (they alternate: no copies). The first
-  // is loaded before the PDL wait (the weights are no kernel's output). Loading the second there too was
-  // slower on the H200 (issue 7: o 6.6 against 5.9 us, gate/up 18.5 against 17.3).
+  // is loaded before the PDL wait (the weights are no kernel's output); loading the second there too was
+  // slower (NOTES.md).
   Trip<VEC, HAS_ZP> ta, tb;
   if (s0 < s1) load_trip<VEC, HAS_ZP, VARIANT>(ta, s0, w_lo, w_hi, s_lo, z_lo, N, gshift);
   pdl_wait_and_release();

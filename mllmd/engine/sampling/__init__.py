@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from mllmd_kernels.gumbel import gumbel, gumbel_noise, hash32, hash32_py, row_keys, uniform
+
 from mllmd.engine.sampling.filters import keep_mask, select_candidates
-from mllmd.engine.sampling.gumbel import gumbel, gumbel_noise, hash32, hash32_py, row_keys, uniform
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.sampler import Sampler, SamplerOutput, process_logits
 from mllmd.engine.sampling.states import SamplingBatchInfo, SamplingStates, uses_output_penalties

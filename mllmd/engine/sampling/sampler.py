@@ -7,7 +7,7 @@ Processing, on a float32 copy of the logits (the input is never modified):
 2. Greedy rows (temperature 0): argmax of those logits (first index on ties); no noise.
 3. Sampled rows: ``z = (logits - max) / T``; top-k, top-p, min-p keep a candidate set (filters.py);
    the token is the Gumbel-max ``argmax(z + g)`` over the candidates (smallest id on ties), with g
-   from the stateless stream of (seed, output position, token id) (gumbel.py). A seeded row thus
+   from the stateless stream of (seed, output position, token id) (mllmd_kernels/gumbel.py). A seeded row thus
    samples the same token whatever the batch holds.
 4. Logprobs of the raw logits as given (logprobs.py).
 
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 from mllmd_kernels import GreedyWorkspace, greedy_argmax, gumbel_argmax
 from mllmd_kernels._triton import use_triton
+from mllmd_kernels.gumbel import gumbel, gumbel_noise
 
 from mllmd.engine.sampling.filters import select_candidates
-from mllmd.engine.sampling.gumbel import gumbel, gumbel_noise
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.penalties import apply_logit_bias, apply_penalties
 from mllmd.engine.sampling.states import SamplingBatchInfo

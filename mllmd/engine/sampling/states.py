@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from mllmd_kernels.gumbel import row_keys_np, split_seed
 
 from mllmd.engine.device_io import to_device_parts
-from mllmd.engine.sampling.gumbel import row_keys_np, split_seed
 from mllmd.sampling_params import SamplingParams
 
 # float columns of a slot's row

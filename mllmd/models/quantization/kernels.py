@@ -97,8 +97,8 @@ class QuantLinearKernel(ABC):
 
 
 class TorchW8A8Kernel(QuantLinearKernel):
-    """Reference: per-token int8 activations, int8 x int8 -> int32 (torch._int_mm, or an exact
-    float32 emulation where the device or shape does not allow it), scales applied after."""
+    """Reference: per-token int8 activations, int8 x int8 -> int32 (torch._int_mm, or exact
+    float64 sums where the device or shape does not allow it), scales applied after."""
 
     @classmethod
     def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:

@@ -1,10 +1,11 @@
-"""Stateless, counter-based Gumbel noise for seeded sampling.
+"""gumbel: the stateless, counter-based Gumbel noise of seeded sampling (the torch and plain-Python
+definitions; `sampling.gumbel_argmax` computes the same words in its kernel).
 
 The noise of one vocabulary column depends only on (seed, output position, column), never on the
 device, the batch size or the other rows, so a seeded request samples the same tokens whatever
 else is batched with it. Everything is defined on 32-bit words held in int64 tensors and masked
 back into [0, 2^32) after every step (each product is < 2^63: the multipliers are < 2^31), so the
-integer part is bit-identical on CPU, CUDA and in a future Triton kernel (uint32 wrap-around gives
+integer part is bit-identical on CPU, CUDA and in the Triton kernel (uint32 wrap-around gives
 the same words).
 
 Definition (all words uint32, ``^`` xor, ``>>`` logical shift, ``*`` multiply mod 2^32)::
@@ -26,8 +27,6 @@ import math
 
 import numpy as np
 import torch
-
-from mllmd.engine.device_io import to_device
 
 MASK32 = 0xFFFFFFFF
 MIX_MUL1 = 0x21F0AAAD
@@ -78,13 +77,14 @@ def row_keys_np(seed_words: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return h.astype(np.int64)
 
 
-def row_keys(seeds: list[int], positions: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per-row keys (k0, k1) of (seed, output position): int64 [B, 2], values in [0, 2^32)."""
+def row_keys(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """Per-row keys (k0, k1) of (seed, output position): int64 [B, 2] on the CPU, values in [0, 2^32)
+    (the caller copies them to the device)."""
     if len(seeds) != len(positions):
         raise ValueError(f"{len(seeds)} seeds for {len(positions)} positions")
     words = np.array([split_seed(s) for s in seeds], dtype=np.int64).reshape(-1, 2)
     keys = row_keys_np(words, np.array(positions, dtype=np.int64))
-    return to_device(torch.from_numpy(keys), torch.int64, device)
+    return torch.from_numpy(keys)
 
 
 def hash32(keys: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
@@ -133,7 +133,7 @@ def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.cat([gumbel(keys[i : i + step], cols) for i in range(0, n, step)])
 
 
-# ---- plain-Python mirrors (reference for tests and for future kernels) ----
+# ---- plain-Python mirrors (reference for tests and for the kernel) ----
 
 
 def mix32_py(x: int) -> int:
