@@ -14,7 +14,7 @@ export PYTHONPATH="$PWD:$PWD/kernels:$PWD/.device/kernels_site:/tmp/site${PYTHON
 export MLLMD_SHARED_MODELS=${MLLMD_SHARED_MODELS:-$PWD/.device/models} MLLMD_CACHE_DIR=/tmp/mllmd-cache
 export STATE_DIRECTORY=/tmp/mllmd-state HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/msgspec ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
@@ -128,6 +128,31 @@ if want tmaab; then  # the W8A8 8B 2,048-token prefill with and without the TMA 
     MLLMD_INT8_TMA_MIN_ROWS=$rows timeout 120 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-W8A8 --batch-size 1 \
       --input-len 2048 --output-len 2 --prefill-repeats 9 --run-name qwen3-8b-W8A8-tma$rows \
       --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-330
+  done
+fi
+
+if want q35; then  # Qwen3.5 random-weight checkpoints at real shapes: decode (batch 1, 64) and a 2,048 prefill
+  for src in ${Q35_SOURCES:-Qwen3.5-9B Qwen3.5-2B}; do
+    path=/dev/shm/$(echo $src | tr A-Z. a-z-)
+    stamp "$src: checkpoint"; build $src $path
+    stamp "$src: batch 1 and 64 decode, 2048 prefill"
+    timeout ${Q35_TIMEOUT:-200} python3 -m mllmd.bench.one_batch --model-path $path --batch-size 1 64 --input-len 128 \
+      --output-len 64 --baseline hf ${HF_CACHE:---hf-cache default} --run-name $src --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-400
+    timeout ${Q35_TIMEOUT:-200} python3 -m mllmd.bench.one_batch --model-path $path --batch-size 1 --input-len 2048 \
+      --output-len 4 --prefill-repeats 3 --baseline hf ${HF_CACHE:---hf-cache default} --run-name $src-prefill \
+      --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-400
+    rm -rf $path
+  done
+fi
+
+if want ab; then  # the refactor against the tree in .ab/old (same 8B weights, same run): decode and prefill
+  build Qwen3-8B $M8
+  for tree in new old; do
+    [ $tree = old ] && pp="$PWD/.ab/old:$PWD/.ab/old/kernels:$PWD/.device/kernels_site:/tmp/site" || pp=$PYTHONPATH
+    stamp "A/B $tree"
+    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
+      --input-len 128 2048 --output-len 32 --prefill-repeats 3 --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" \
+      2>&1 | grep -E '^\{|Error' | cut -c1-300
   done
 fi
 

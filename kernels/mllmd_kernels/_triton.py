@@ -157,6 +157,18 @@ def pdl_supported(device_index: int) -> bool:
     return "launch_pdl" in fields
 
 
+@functools.lru_cache(maxsize=8)
+def multi_dot_min_tile(device_index: int) -> int:
+    """Smallest M/N/K a dot may have in a kernel of several dots on this device: 64 on Hopper (sm90),
+    whose wgmma lowering in Triton 3.4-3.6 reads shared memory out of bounds, or corrupts it, for 16-
+    and 32-wide tiles when two or more dots share a kernel (an illegal address in the GDN chunk kernels
+    at Dk = 128 on an H200; pytorch/helion#1905 and flash-linear-attention#826 describe the same);
+    16 elsewhere (sm87's mma.sync has no such limit, and its registers want the small tiles)."""
+    if not torch.cuda.is_available() or interpreting():
+        return 16
+    return 64 if torch.cuda.get_device_capability(device_index)[0] == 9 else 16
+
+
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """Launch keyword arguments for a kernel with a USE_PDL constexpr, on `t`'s device: PDL inside
     `pdl_launches()` on a GPU that supports it, else none."""

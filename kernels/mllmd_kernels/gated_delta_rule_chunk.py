@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import dot_in_fp32, next_pow2, pdl_args, pdl_sync, tl, triton
+from mllmd_kernels._triton import dot_in_fp32, multi_dot_min_tile, next_pow2, pdl_args, pdl_sync, tl, triton
 from mllmd_kernels.gated_delta_rule_decode import l2norm_ref
 
 CHUNK = 64  # BT: the chunk length of the Triton path and the reference
@@ -380,11 +380,21 @@ def _chunk_map(cu_seqlens: torch.Tensor, max_chunks: int) -> tuple[torch.Tensor,
     return chunk_cu.to(torch.int32), chunk_seq.to(torch.int32)
 
 
-def _state_block_v(dv: int) -> int:
+def _state_block_v(dv: int, device: torch.device) -> int:
     """Value columns a state-pass program: 16 keeps the [Dk, 16] state, the chunk's [64, Dk] q, k, w
     tiles and their dot fragments within sm87's registers at Dk = 128 with 8 warps (32 spilled), and
-    gives Hv * Dv / 16 programs a sequence (256 for Qwen3.5-4B: every SM of an Orin or an H200 busy)."""
-    return min(next_pow2(dv), 16)
+    gives Hv * Dv / 16 programs a sequence (256 for Qwen3.5-4B: every SM of an Orin busy). Hopper
+    takes 64 (multi_dot_min_tile)."""
+    return max(min(next_pow2(dv), 16), _min_tile(device))
+
+
+def _wy_block(dot_f32: bool, device: torch.device) -> int:
+    """Dk / Dv pieces of the WY pass: 16 (fp32) or 32 fit sm87's registers; Hopper takes 64."""
+    return max(16 if dot_f32 else 32, _min_tile(device))
+
+
+def _min_tile(device: torch.device) -> int:
+    return multi_dot_min_tile(device.index or 0) if device.type == "cuda" else 16
 
 
 def chunk_gated_delta_rule(
@@ -434,16 +444,16 @@ def chunk_gated_delta_rule(
     u = torch.empty((t, hv, dv), dtype=work_dtype, device=q.device)
     max_chunks = t // CHUNK + n
     chunk_cu, chunk_seq = _chunk_map(cu_seqlens, max_chunks)
-    wy_bk = 16 if dot_f32 else 32  # Dk / Dv pieces of the WY pass that fit sm87's registers
+    wy_bk, floor = _wy_block(dot_f32, q.device), _min_tile(q.device)
     _gdn_chunk_wy_kernel[(max_chunks, hv)](
         q, k, v, g, beta, cu_seqlens, chunk_cu, chunk_seq, gc, qscale, kscale, attn, w, u,
         dk**-0.5 if scale is None else scale, n, dk, dv, hv // hk,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        L2NORM=use_qk_l2norm, DOT_F32=dot_f32, BLOCK_K=min(next_pow2(dk), wy_bk),
-        BLOCK_V=min(next_pow2(dv), wy_bk), num_warps=8, num_stages=1, **pdl_args(q),
+        L2NORM=use_qk_l2norm, DOT_F32=dot_f32, BLOCK_K=max(min(next_pow2(dk), wy_bk), floor),
+        BLOCK_V=max(min(next_pow2(dv), wy_bk), floor), num_warps=8, num_stages=1, **pdl_args(q),
     )  # fmt: skip
-    bv = _state_block_v(dv)
+    bv = _state_block_v(dv, q.device)
     _gdn_chunk_state_kernel[(n, hv, -(-dv // bv))](
         q, k, w, u, gc, qscale, kscale, attn, cu_seqlens, ssm_state, state_indices, has_initial_state,
         final_snapshot_indices if final_snapshot_indices is not None else state_indices,
@@ -452,6 +462,6 @@ def chunk_gated_delta_rule(
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         0 if csnap is None else csnap.stride(0), o.stride(0), o.stride(1),
         DOT_F32=dot_f32, HAS_SNAP=final_snapshot_indices is not None, HAS_CSNAP=csnap is not None,
-        BLOCK_K=next_pow2(dk), BLOCK_V=bv, num_warps=8, num_stages=1, **pdl_args(q),
+        BLOCK_K=max(next_pow2(dk), floor), BLOCK_V=bv, num_warps=8, num_stages=1, **pdl_args(q),
     )  # fmt: skip
     return o

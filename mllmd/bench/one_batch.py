@@ -243,9 +243,10 @@ def main(argv: list[str] | None = None) -> None:
         hf_cache = None
     hf_model = None
     if args.baseline == "hf":
-        from transformers import AutoModelForCausalLM
+        from mllmd.bench.random_checkpoint import hf_model_class
 
-        hf_model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=info.dtype).to(info.device).eval()
+        config = json.loads((Path(args.model_path) / "config.json").read_text(encoding="utf-8"))
+        hf_model = hf_model_class(config).from_pretrained(args.model_path, dtype=info.dtype).to(info.device).eval()
 
     for _ in range(args.warmup):
         warm = random_prompts(min(max_bs, 2), 16, info.vocab_size, args.seed)

@@ -56,12 +56,15 @@ def test_references_equal_transformers(length, hk, hv, dk, dv, dtype) -> None:
 
     q, k, v, g, beta, s0 = _inputs(length, hk, hv, dk, dv, 3 * length + hk, dtype)
     kw = {"initial_state": s0[None], "output_final_state": True, "use_qk_l2norm_in_kernel": True}
-    o_hf, f_hf = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], **kw)
+    # the model repeats q and k over the value heads before calling these (older releases' functions
+    # take only Hk == Hv), so the same is done here
+    qr, kr = (x.repeat_interleave(hv // hk, dim=1)[None] for x in (q, k))
+    o_hf, f_hf = torch_chunk_gated_delta_rule(qr, kr, v[None], g[None], beta[None], **kw)
     o, f, _ = gated_delta_rule_chunked_ref(q, k, v, g, beta, None, s0)
     tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}  # bf16 output
     torch.testing.assert_close(o, o_hf[0], **tol)
     torch.testing.assert_close(f, f_hf[0], rtol=1e-5, atol=1e-5)
-    o_hf, f_hf = torch_recurrent_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], **kw)
+    o_hf, f_hf = torch_recurrent_gated_delta_rule(qr, kr, v[None], g[None], beta[None], **kw)
     o, f = gated_delta_rule_recurrent_ref(q, k, v, g, beta, None, s0)
     torch.testing.assert_close(o, o_hf[0], **tol)
     torch.testing.assert_close(f, f_hf[0], rtol=1e-5, atol=1e-5)
