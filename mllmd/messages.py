@@ -4,7 +4,9 @@ A request's hops and the message each one carries:
 
     main -> tokenizer        TokenizeRequest (prompt, validated SamplingParams, the output-token budget)
     main -> scheduler        GenerateRequest (token-id prompts skip the tokenizer), AbortRequest, FlushCache
-    tokenizer -> scheduler   GenerateRequest (one per choice)
+    tokenizer -> scheduler   GenerateRequest (one per choice; a vision-language prompt's images ride as
+                             ImageInputs whose pixels wait in a TensorHandle)
+    scheduler -> tokenizer   TransportAck (the handles the scheduler has copied)
     scheduler -> detok       RegisterRequest, TokenOutputs (TokenOutput per request per step), ResetRequests
     detok -> main            TextOutputs (TextOutput per request per step)
     any worker -> main       Heartbeat, WorkerReady, WorkerFatal, RequestFailed; scheduler: EngineStats,
@@ -67,6 +69,67 @@ class OutputBudget(msgspec.Struct, frozen=True):
     param: str = "max_tokens"  # the request field named when the budget is at fault
 
 
+# ---- tensors between the tokenizer and the scheduler (mllmd.multimodal.transport) -----------------
+class _Handle(msgspec.Struct, frozen=True, array_like=True, tag=True):
+    """Where a tensor waits for its receiver; tagged, so `TensorHandle` decodes to the right one. `id` is
+    the sender's: the receiver returns it in a TransportAck once it no longer needs the sender's copy."""
+
+
+class ShmTensor(_Handle):
+    """`default` mode: the bytes in a POSIX shared-memory segment, which the receiver unlinks after its copy.
+    `name` is empty for a tensor with no elements (no segment)."""
+
+    id: int
+    name: str  # without the leading "/"
+    shape: tuple[int, ...]
+    dtype: str  # "uint8", "float32", "bfloat16", ... (mllmd.multimodal.transport.DTYPES)
+    nbytes: int
+
+
+class CudaIpcStorage(msgspec.Struct, frozen=True, array_like=True):
+    """What torch.UntypedStorage._new_shared_cuda needs to map another process's CUDA storage: the
+    tuple of the sender's storage._share_cuda_(), whose event was recorded after the sender's copy."""
+
+    device: int
+    handle: bytes  # the allocation's IPC handle
+    size_bytes: int  # the storage's size
+    offset_bytes: int  # the storage's offset in the allocation
+    ref_counter_handle: bytes  # torch's per-storage reference counter (shared memory), decremented on release
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool  # False: the sender synchronised its stream instead of recording the event
+
+
+class CudaIpcTensor(_Handle):
+    """`cuda_ipc` mode: a device tensor of the sender's, kept alive there until acknowledged."""
+
+    id: int
+    storage: CudaIpcStorage
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+class PoolTensor(_Handle):
+    """`cuda_ipc_pool` mode: bytes [offset, offset + nbytes) of the sender's workspace `pool_id`. The
+    receiver maps `pool` once per pool_id and waits on `event_handle` (recorded after the sender's copy
+    into the chunk); the chunk is reused only after the ack of `id`. `generation` names this use of the
+    chunk (a stale ack for an earlier use of the same offset frees nothing)."""
+
+    id: int
+    pool_id: int
+    pool: CudaIpcStorage
+    offset: int
+    nbytes: int
+    generation: int
+    shape: tuple[int, ...]
+    dtype: str
+    event_handle: bytes
+
+
+TensorHandle = ShmTensor | CudaIpcTensor | PoolTensor
+
+
 # ---- main -> tokenizer -> scheduler ---------------------------------------------------------------
 class TokenizeRequest(_Message):
     """One prompt with one sampling run per rid (n choices); `group` names them together."""
@@ -80,14 +143,26 @@ class TokenizeRequest(_Message):
     t_submit: float | None = None  # main's time.perf_counter() at submission (MLLMD_STEP_TRACE)
 
 
+class ImageInput(msgspec.Struct, frozen=True, array_like=True):
+    """One image of a tokenized prompt: its pad tokens are input_ids[start : start + num_tokens]; its
+    resized uint8 pixels [H, W, 3] wait behind `pixels` (mllmd.multimodal.transport)."""
+
+    start: int
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    content_hash: bytes
+    pixels: TensorHandle
+
+
 class GenerateRequest(_Message):
-    """A tokenized choice for the engine."""
+    """A tokenized choice for the engine (`images`: a vision-language prompt's, in prompt order)."""
 
     rid: str
     input_ids: list[int]
     params: SamplingParams
     meta: PromptMeta = PromptMeta()
     t_submit: float | None = None
+    images: list[ImageInput] = []
 
 
 class AbortRequest(_Message):
@@ -201,6 +276,8 @@ class WorkerReady(_Message):
     dtype: str | None = None
     device: str | None = None
     architecture: str | None = None
+    transport: str | None = None  # the tokenizer's tensor transport mode in use (vision-language models)
+    transport_fallback: str | None = None  # why it is not the configured one
 
 
 class WorkerFatal(_Message):
@@ -230,67 +307,6 @@ class ControlResult(_Message):
     op: str
     id: str
     freed_tokens: int = 0
-
-
-# ---- tensors between the tokenizer and the scheduler (mllmd.multimodal.transport) -----------------
-class _Handle(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    """Where a tensor waits for its receiver; tagged, so `TensorHandle` decodes to the right one. `id` is
-    the sender's: the receiver returns it in a TransportAck once it no longer needs the sender's copy."""
-
-
-class ShmTensor(_Handle):
-    """`default` mode: the bytes in a POSIX shared-memory segment, which the receiver unlinks after its copy.
-    `name` is empty for a tensor with no elements (no segment)."""
-
-    id: int
-    name: str  # without the leading "/"
-    shape: tuple[int, ...]
-    dtype: str  # "uint8", "float32", "bfloat16", ... (mllmd.multimodal.transport.DTYPES)
-    nbytes: int
-
-
-class CudaIpcStorage(msgspec.Struct, frozen=True, array_like=True):
-    """What torch.UntypedStorage._new_shared_cuda needs to map another process's CUDA storage: the
-    tuple of the sender's storage._share_cuda_(), whose event was recorded after the sender's copy."""
-
-    device: int
-    handle: bytes  # the allocation's IPC handle
-    size_bytes: int  # the storage's size
-    offset_bytes: int  # the storage's offset in the allocation
-    ref_counter_handle: bytes  # torch's per-storage reference counter (shared memory), decremented on release
-    ref_counter_offset: int
-    event_handle: bytes
-    event_sync_required: bool  # False: the sender synchronised its stream instead of recording the event
-
-
-class CudaIpcTensor(_Handle):
-    """`cuda_ipc` mode: a device tensor of the sender's, kept alive there until acknowledged."""
-
-    id: int
-    storage: CudaIpcStorage
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-
-class PoolTensor(_Handle):
-    """`cuda_ipc_pool` mode: bytes [offset, offset + nbytes) of the sender's workspace `pool_id`. The
-    receiver maps `pool` once per pool_id and waits on `event_handle` (recorded after the sender's copy
-    into the chunk); the chunk is reused only after the ack of `id`. `generation` names this use of the
-    chunk (a stale ack for an earlier use of the same offset frees nothing)."""
-
-    id: int
-    pool_id: int
-    pool: CudaIpcStorage
-    offset: int
-    nbytes: int
-    generation: int
-    shape: tuple[int, ...]
-    dtype: str
-    event_handle: bytes
-
-
-TensorHandle = ShmTensor | CudaIpcTensor | PoolTensor
 
 
 class TransportAck(_Message):

@@ -76,7 +76,12 @@ class ServerSection:
     shutdown_timeout: float = _opt(30.0, "seconds to let running requests finish on stop before aborting them", low=0)
     reasoning_parser: str | None = _opt(None, "split thinking into reasoning_content: null | qwen3", choices=(None, "qwen3"))
     tool_call_parser: str | None = _opt(None, "parse tool calls into tool_calls: null | qwen3", choices=(None, "qwen3"))
-    media_dirs: tuple[str, ...] = _opt([], "folders that local image paths may be read from; []: none")
+    media_dirs: tuple[str, ...] = _opt([], "folders that local image paths (absolute paths, file:// URLs) may be read from; []: none (applies at the next model load)")
+    allow_remote_images: bool = _opt(False, "fetch http(s) image URLs (never loopback, link-local or multicast addresses); false: refused (applies at the next model load)")
+    remote_image_timeout: float = _opt(10.0, "seconds to connect to and download one remote image", positive=True)
+    max_image_bytes: int = _opt(12 * MIB, "largest encoded image (data URL, file or download), in bytes (12 MiB); larger: 400", low=1)
+    max_image_pixels: int = _opt(50_000_000, "most pixels (width x height) of a stored image, read from its header before decoding (the decompression-bomb guard); more: 400", low=1)
+    max_images_per_request: int = _opt(8, "most images in one request; more: 400", low=1)
 
     def __post_init__(self) -> None:
         _check_fields(self)

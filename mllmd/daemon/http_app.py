@@ -70,6 +70,16 @@ class Api:
         if reason is not None:
             raise service_unavailable(reason)
 
+    def _check_images(self, count: int) -> None:
+        """Images need a model with a vision tower, and at most server.max_images_per_request of them
+        (the sources themselves are checked where they are loaded, in the tokenizer worker)."""
+        active = self.d.active
+        if active is None or not active.facts.takes_images:
+            raise bad_request("images are not supported by the loaded model", "messages")
+        most = self.d.config.server.max_images_per_request
+        if count > most:
+            raise bad_request(f"{count} images in the request exceeds server.max_images_per_request={most}", "messages")
+
     async def _parse(self, request: Request, parse: Callable[[Any, Limits], Any]) -> Any:
         srv = self.d.config.server
         body = await read_body(request, srv.max_request_bytes, srv.body_timeout)
@@ -160,7 +170,7 @@ class Api:
         self._check_model(req.model)
         self._check_ready()
         if req.image_urls:
-            raise bad_request("images are not supported by the loaded model", "messages")
+            self._check_images(len(req.image_urls))
         prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
         states = await self._submit(prompt, req, req.n, "messages")
         opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,

@@ -54,7 +54,7 @@ _OVERRIDABLE = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {"m
 LIVE_KEYS = (
     "server.api_key", "server.api_key_file", "server.admin_api_key", "server.max_queued_requests",
     "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
-    "server.media_dirs", "server.metrics_require_key", "model.models_dir", "logging.level",
+    "server.metrics_require_key", "model.models_dir", "logging.level",
     "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
 )
 
@@ -309,7 +309,8 @@ class Daemon:
         check_tokenizer(engine.tokenizer_path or path)
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
-                         self._on_slot_message, self._on_worker_lost, self.config.model.chat_template)
+                         self._on_slot_message, self._on_worker_lost, self.config.model.chat_template,
+                         self._media_settings())
         slot.overrides = overrides  # type: ignore[attr-defined]
         slot.strict_record = strict_record  # type: ignore[attr-defined]
         slot.fallback = fallback  # type: ignore[attr-defined]
@@ -319,6 +320,13 @@ class Daemon:
         logger.info("loading %s from %s", name, path)
         return f"loading {name} from {path}" + (" (hot swap: the current model serves until it is ready)"
                                                    if self.active is not None else "")
+
+    def _media_settings(self) -> dict[str, Any]:
+        """The image limits and the tensor transport, for the tokenizer worker of the next load."""
+        srv = self.config.server
+        keys = ("media_dirs", "allow_remote_images", "remote_image_timeout", "max_image_bytes", "max_image_pixels",
+                "max_images_per_request")
+        return {"server": {k: getattr(srv, k) for k in keys}, "ipc": dataclasses.asdict(self.config.ipc)}
 
     async def load_model(self, ref: str, overrides: Any) -> str:
         """Admin load: `ref` and every path among the overrides must resolve inside model.models_dir, and

@@ -64,7 +64,10 @@ class ModelSlot:
         on_message: Callable[[ModelSlot, Any], None],
         on_lost: Callable[[ModelSlot, str, str], None],
         chat_template: str | None = None,
+        media: dict[str, Any] | None = None,
     ) -> None:
+        """`media`: what the tokenizer worker needs for images ({"server": the image limits, "ipc": the
+        transport section}); never the API keys."""
         self.engine = engine
         self.facts = facts
         self.served_name = served_name
@@ -77,6 +80,7 @@ class ModelSlot:
             "heartbeat_interval": policy.heartbeat_interval,
             "log_level": log_level,
             "chat_template": chat_template,
+            **(media or {}),
         }
         self.supervisor = Supervisor(self.ipc_dir, settings, policy, lambda w, r: on_lost(self, w, r))
         self._on_message = on_message
@@ -139,7 +143,18 @@ class ModelSlot:
             "context_length": info.context_length,
             "kv_cache_tokens": info.max_total_tokens,
             "load_seconds": self.load_seconds,
+            "takes_images": self.facts.takes_images,
+            "tensor_transport": self._transport(),
         }
+
+    def _transport(self) -> dict[str, Any] | None:
+        """The tokenizer's tensor transport (vision-language models): the mode in use and, when it is not
+        the configured one, why."""
+        h = self.supervisor.workers.get(ipc.TOKENIZER)
+        info = h.ready_info if h is not None else None
+        if info is None or info.transport is None:
+            return None
+        return {"mode": info.transport, "fallback_reason": info.transport_fallback}
 
     # ---- messages ----------------------------------------------------------------------------
     async def _recv_loop(self) -> None:

@@ -44,6 +44,7 @@ class ModelFacts:
     size_bytes: int
     weight_bytes: int
     kv_bytes_per_token: int | None
+    takes_images: bool = False  # the config has a vision tower (Qwen3-VL, Qwen3.5)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -135,12 +136,15 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
     kv_per_token = None
     try:
         head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
-        kv_per_token = 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * 2
+        kinds = text.get("layer_types")  # hybrids (Qwen3.5): only full-attention layers keep KV
+        kv_layers = sum(k == "full_attention" for k in kinds) if isinstance(kinds, list) else text["num_hidden_layers"]
+        kv_per_token = 2 * kv_layers * text["num_key_value_heads"] * head_dim * 2
     except (KeyError, TypeError, ZeroDivisionError):
         pass
     dtype = config.get("torch_dtype") or config.get("dtype") or (max(dtypes, key=dtypes.get).lower() if dtypes else None)
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-    return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token)
+    return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token,
+                      isinstance(config.get("vision_config"), dict))
 
 
 def _inside(real: Path, allowed: list[Path]) -> bool:

@@ -1,4 +1,8 @@
-"""Scheduler worker: owns the device and the Engine; admits, steps, and streams outputs onward."""
+"""Scheduler worker: owns the device and the Engine; admits, steps, and streams outputs onward.
+
+A vision-language request's images arrive as tensor-transport handles (mllmd.multimodal.transport):
+received onto the engine's device before the request is admitted, and acknowledged to the tokenizer
+worker once each copy has completed (checked after every step)."""
 
 from __future__ import annotations
 
@@ -101,14 +105,37 @@ class StepTrace:
             }) + "\n")
 
 
+def _images(msg: GenerateRequest, receiver: Any, device: Any) -> list[Any]:
+    """The request's images as EngineImages, their pixels copied out of the transport onto the engine's
+    device (every handle is received, even after one failed, so that no segment is left behind)."""
+    from mllmd.engine.request import EngineImage
+
+    out, error = [], None
+    for im in msg.images:
+        try:
+            pixels = receiver.receive(im.pixels, device)
+        except Exception as e:
+            error = error or e
+            continue
+        out.append(EngineImage(im.start, im.num_tokens, tuple(im.grid_thw), im.content_hash, pixels))
+    if error is not None:
+        raise error
+    return out
+
+
 def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: WorkerContext,
-           to_detok: zmq.Socket[Any]) -> None:
+           to_detok: zmq.Socket[Any], receiver: Any = None) -> None:
     from mllmd.engine.request import AdmissionError
 
     logger.debug("%s", type(msg).__name__)
     if isinstance(msg, GenerateRequest):
         try:
-            engine.add_request(msg.rid, msg.input_ids, msg.params)
+            images = _images(msg, receiver, engine.info.device) if msg.images else None
+        except Exception as e:  # the tokenizer's copy is gone (a restarted tokenizer), or a bad handle
+            wctx.send_main(RequestFailed(msg.rid, "unavailable", f"the request's images could not be received: {e}"))
+            return
+        try:
+            engine.add_request(msg.rid, msg.input_ids, msg.params, images)
         except AdmissionError as e:
             wctx.send_main(RequestFailed(msg.rid, "invalid_request", str(e), e.param))
             return
@@ -131,6 +158,12 @@ def run(wctx: WorkerContext) -> None:
     engine = Engine(config)
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     to_detok = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
+    receiver = to_tokenizer = None
+    if engine.runner.vision is not None:  # images arrive through the tensor transport; acks go back
+        from mllmd.multimodal.transport import TensorReceiver
+
+        receiver = TensorReceiver()
+        to_tokenizer = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.TOKENIZER)
     # A restarted scheduler starts with no requests: the detokenizer's state for the ones the previous
     # process ran (main failed them) would otherwise stay forever. Sent before any register.
     to_detok.send(encode(ResetRequests()))
@@ -166,13 +199,20 @@ def run(wctx: WorkerContext) -> None:
                 continue
             if trace is not None and isinstance(msg, GenerateRequest):
                 trace.received(msg)
-            handle(msg, engine, wctx, to_detok)
+            handle(msg, engine, wctx, to_detok, receiver)
             timeout = 0
         t1 = time.perf_counter()
         outputs = engine.step()
         t2 = time.perf_counter()
         if outputs:
             to_detok.send(encode(TokenOutputs(outputs)))
+        if receiver is not None:
+            acks = receiver.pending_acks()
+            if acks is not None:
+                try:  # never block the engine on a tokenizer that is gone (its copies went with it)
+                    to_tokenizer.send(encode(acks), zmq.NOBLOCK)  # type: ignore[union-attr]
+                except zmq.Again:
+                    logger.warning("the tokenizer worker is not taking transport acks; %d dropped", len(acks.ids))
         if trace is not None:
             trace.record(t0, t1, t2, time.perf_counter(), len(outputs))
         now = time.monotonic()

@@ -4,31 +4,56 @@ The chat template is the model's own, or the administrator's `model.chat_templat
 only sets template variables (chat_template_kwargs, checked by the main process). A tokenizer that
 loads empty (a model folder without tokenizer files, for which transformers builds an empty one)
 fails the load instead of every request.
+
+A vision-language model's chats with image parts go through `vision_prompts.VisionPrompts`: images
+loaded under the `server.*image*` limits and resized, the prompt built around their tokens, the pixels
+sent to the scheduler by the tensor transport (whose TransportAcks arrive in this worker's inbox).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from mllmd.messages import (
     ChatPrompt,
     GenerateRequest,
+    ImageInput,
     PromptMeta,
     RequestFailed,
     TextPrompt,
     TokenizeRequest,
     TokenizerInbox,
+    TransportAck,
     decoder,
     encode,
     request_id_of,
 )
+from mllmd.multimodal.chat import VisionPrompt, image_parts
+from mllmd.multimodal.image_io import ImageError
+from mllmd.multimodal.transport import TransportFull
 from mllmd.sampling_params import InvalidSamplingParam, choice_params, fit_max_tokens
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
+from mllmd.workers.vision_prompts import VisionPrompts, takes_images
 
 logger = logging.getLogger("tokenizer")
+
+
+def _template_kwargs(prompt: ChatPrompt, chat_template: str | None) -> dict[str, Any]:
+    kwargs = dict(prompt.chat_template_kwargs)
+    kwargs.pop("chat_template", None)  # never the client's (main refuses it; this is the last line)
+    if prompt.tools:
+        kwargs["tools"] = prompt.tools
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    return kwargs
+
+
+def _meta(text: str) -> PromptMeta:
+    return PromptMeta(starts_in_reasoning=text.rstrip().endswith("<think>"))
 
 
 def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> tuple[list[int], PromptMeta]:
@@ -36,26 +61,31 @@ def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = N
     `chat_template`: the administrator's template (None: the model's)."""
     prompt = req.prompt
     if isinstance(prompt, ChatPrompt):
-        kwargs = dict(prompt.chat_template_kwargs)
-        kwargs.pop("chat_template", None)  # never the client's (main refuses it; this is the last line)
-        if prompt.tools:
-            kwargs["tools"] = prompt.tools
-        if chat_template is not None:
-            kwargs["chat_template"] = chat_template
+        kwargs = _template_kwargs(prompt, chat_template)
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        meta = PromptMeta(starts_in_reasoning=text.rstrip().endswith("<think>"))
-        return tokenizer.encode(text, add_special_tokens=False), meta
+        return tokenizer.encode(text, add_special_tokens=False), _meta(text)
     if isinstance(prompt, TextPrompt):
         return tokenizer.encode(prompt.text, add_special_tokens=False), PromptMeta()
     return list(prompt.ids), PromptMeta()
 
 
-def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, context_length: int) -> list[GenerateRequest]:
-    """One GenerateRequest per choice, with max_tokens fitted to the prompt (InvalidSamplingParam if it cannot)."""
+def tokenize_with_images(tokenizer: Any, req: TokenizeRequest, vision: VisionPrompts,
+                         chat_template: str | None = None) -> tuple[list[int], PromptMeta, VisionPrompt]:
+    """A chat with image parts: the images loaded and resized, the prompt built around their tokens."""
+    assert isinstance(req.prompt, ChatPrompt)
+    built = vision.build(tokenizer, req.prompt, _template_kwargs(req.prompt, chat_template))
+    return built.input_ids, _meta(built.text), built
+
+
+def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, context_length: int,
+                      images: Callable[[], list[ImageInput]] | None = None) -> list[GenerateRequest]:
+    """One GenerateRequest per choice, with max_tokens fitted to the prompt (InvalidSamplingParam if it
+    cannot); `images` gives each choice its own ImageInputs."""
     b = req.budget
     max_tokens = fit_max_tokens(b.requested, b.default, len(ids), context_length, req.prompt_param)
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
-    return [GenerateRequest(rid, ids, p, meta, req.t_submit) for rid, p in zip(req.rids, choice_params(params, len(req.rids)))]
+    return [GenerateRequest(rid, ids, p, meta, req.t_submit, images() if images is not None else [])
+            for rid, p in zip(req.rids, choice_params(params, len(req.rids)))]
 
 
 def check_tokenizer(tokenizer: Any, path: str) -> None:
@@ -76,37 +106,69 @@ def run(wctx: WorkerContext) -> None:
     if wctx.settings.get("chat_template"):
         with open(wctx.settings["chat_template"], encoding="utf-8") as f:
             chat_template = f.read()
-    context_length = wctx.settings["engine"].get("context_length") or int(
-        AutoConfig.from_pretrained(wctx.settings["engine"]["model_path"]).max_position_embeddings
+    engine = wctx.settings["engine"]
+    context_length = engine.get("context_length") or int(
+        AutoConfig.from_pretrained(engine["model_path"]).get_text_config().max_position_embeddings
     )
+    vision = None
+    if takes_images(engine["model_path"]):
+        vision = VisionPrompts.start(engine["model_path"], wctx.settings.get("server") or {},
+                                     wctx.settings.get("ipc") or {}, str(engine.get("device") or "cpu"))
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.TOKENIZER)
     to_sched = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     decode = decoder(TokenizerInbox).decode
-    wctx.ready(context_length=context_length)
-    while not wctx.stopping:
-        if not inbox.poll(100):
-            continue
-        data = inbox.recv()
-        try:
-            req: TokenizeRequest = decode(data)
-        except Exception as e:  # main's bug, not a reason to drop every request: fail this one
-            logger.error("cannot decode a request: %s", e)
-            group = request_id_of(data)
-            if group is not None:
-                wctx.send_main(RequestFailed(group, "internal", "the request could not be read by the tokenizer"))
-            continue
-        logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
-        try:
+    wctx.ready(context_length=context_length, transport=vision.mode if vision else None,
+               transport_fallback=vision.sender.fallback_reason if vision else None)
+    try:
+        while not wctx.stopping:
+            if not inbox.poll(100):
+                continue
+            data = inbox.recv()
+            try:
+                msg: TokenizeRequest | TransportAck = decode(data)
+            except Exception as e:  # main's bug, not a reason to drop every request: fail this one
+                logger.error("cannot decode a request: %s", e)
+                group = request_id_of(data)
+                if group is not None:
+                    wctx.send_main(RequestFailed(group, "internal", "the request could not be read by the tokenizer"))
+                continue
+            if isinstance(msg, TransportAck):
+                if vision is not None:
+                    vision.on_ack(msg)
+                continue
+            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched)
+    finally:
+        if vision is not None:
+            vision.close()
+
+
+def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, chat_template: str | None,
+           context_length: int, wctx: WorkerContext, to_sched: Any) -> None:
+    """Tokenize one request and send its choices on, or tell main why it failed."""
+    logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
+    try:
+        if vision is not None and vision.wants(req.prompt):
+            ids, meta, built = tokenize_with_images(tokenizer, req, vision, chat_template)
+            out = generate_requests(req, ids, meta, context_length, lambda: vision.send(built))
+        elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
+            raise ImageError("images are not supported by the loaded model", "model")
+        else:
             ids, meta = tokenize(tokenizer, req, chat_template)
             out = generate_requests(req, ids, meta, context_length)
-        except InvalidSamplingParam as e:
-            wctx.send_main(RequestFailed(req.group, "invalid_request", str(e), e.param))
-            continue
-        except Exception as e:  # a template or tokenizer error is the request's fault
-            wctx.send_main(RequestFailed(req.group, "invalid_request", f"could not build the prompt: {e}"))
-            continue
-        for gen in out:
-            to_sched.send(encode(gen))
+    except InvalidSamplingParam as e:
+        wctx.send_main(RequestFailed(req.group, "invalid_request", str(e), e.param))
+        return
+    except ImageError as e:
+        wctx.send_main(RequestFailed(req.group, "invalid_request", e.message, req.prompt_param))
+        return
+    except TransportFull as e:
+        wctx.send_main(RequestFailed(req.group, "unavailable", f"too many images in flight: {e}"))
+        return
+    except Exception as e:  # a template or tokenizer error is the request's fault
+        wctx.send_main(RequestFailed(req.group, "invalid_request", f"could not build the prompt: {e}"))
+        return
+    for gen in out:
+        to_sched.send(encode(gen))
 
 
 if __name__ == "__main__":

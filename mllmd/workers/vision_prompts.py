@@ -1,0 +1,101 @@
+"""The tokenizer worker's half of a vision-language request: images loaded, checked and resized, the
+prompt built around them (mllmd.multimodal.chat), and each image's pixels handed to the tensor
+transport for the scheduler.
+
+Only a chat with image parts takes this path; text prompts of a vision-language model tokenize as any
+other. What the scheduler receives per image is an `ImageInput`: where its pad tokens are, its patch
+grid, its content hash (the prefix cache's and the encoder cache's key) and a `TensorHandle` to its
+uint8 pixels, one handle per choice (each GenerateRequest is received, and its segments released, on
+its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mllmd.messages import ChatPrompt, ImageInput, TransportAck
+from mllmd.multimodal.chat import VisionPrompt, build_vision_prompt, image_parts
+from mllmd.multimodal.image_io import ImageLimits
+from mllmd.multimodal.image_processing import VisionPreprocessConfig
+from mllmd.multimodal.prompt import VisionTokenIds
+from mllmd.multimodal.transport import TensorSender, probe_cuda_ipc, resolve_mode
+
+logger = logging.getLogger("tokenizer")
+
+
+def takes_images(model_path: str) -> bool:
+    """Whether the model folder's config has a vision tower (Qwen3-VL, Qwen3.5)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
+def image_limits(server: dict[str, Any]) -> ImageLimits:
+    """ImageLimits from the daemon's `server` section (as a dict: what the worker settings carry)."""
+    return ImageLimits(
+        max_bytes=int(server["max_image_bytes"]),
+        max_pixels=int(server["max_image_pixels"]),
+        max_images=int(server["max_images_per_request"]),
+        allow_remote=bool(server["allow_remote_images"]),
+        media_dirs=tuple(server["media_dirs"]),
+        remote_timeout=float(server["remote_image_timeout"]),
+    )
+
+
+@dataclass
+class VisionPrompts:
+    """What a vision-language model's tokenizer worker keeps: the preprocessing numbers, the special
+    token ids, the limits, and the sender of the pixels."""
+
+    preprocess: VisionPreprocessConfig
+    tokens: VisionTokenIds
+    limits: ImageLimits
+    sender: TensorSender
+
+    @classmethod
+    def start(cls, model_path: str, server: dict[str, Any], ipc: dict[str, Any], device: str) -> VisionPrompts:
+        """Read the model's preprocessor config, resolve the transport mode (probing CUDA IPC first when
+        a CUDA mode is configured) and start the sender."""
+        config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+        requested = str(ipc.get("tensor_transport_mode", "default"))
+        probe = None
+        if requested != "default":
+            probe = probe_cuda_ipc(device if device.startswith("cuda") else "cuda:0")
+        mode, line = resolve_mode(requested, probe)
+        if line:
+            logger.warning("%s", line)
+        sender = TensorSender(mode, device if mode != "default" else None,
+                              pool_size_mb=int(ipc.get("cuda_ipc_pool_size_mb", 256)))
+        if mode != requested and sender.fallback_reason is None:
+            sender.fallback_reason = probe
+        return cls(VisionPreprocessConfig.from_model_dir(model_path), VisionTokenIds.from_config(config),
+                   image_limits(server), sender)
+
+    @property
+    def mode(self) -> str:
+        return self.sender.mode
+
+    def wants(self, prompt: Any) -> bool:
+        return isinstance(prompt, ChatPrompt) and bool(image_parts(prompt.messages))
+
+    def build(self, tokenizer: Any, prompt: ChatPrompt, template_kwargs: dict[str, Any]) -> VisionPrompt:
+        """The prompt with its images (ImageError naming the rule when one is refused)."""
+        return build_vision_prompt(tokenizer, prompt.messages, template_kwargs, self.preprocess, self.tokens,
+                                   self.limits)
+
+    def send(self, built: VisionPrompt) -> list[ImageInput]:
+        """One choice's ImageInputs (each image's pixels sent anew: the receiver consumes a handle once)."""
+        return [ImageInput(s, e - s, im.grid_thw, im.content_hash, self.sender.send(im.pixels))
+                for im, (s, e) in zip(built.images, built.image_spans, strict=True)]
+
+    def on_ack(self, ack: TransportAck) -> None:
+        self.sender.on_ack(ack)
+
+    def close(self) -> None:
+        self.sender.close()
