@@ -148,11 +148,13 @@ fi
 if want ab; then  # the refactor against the tree in .ab/old (same 8B weights, same run): decode and prefill
   build Qwen3-8B $M8
   for tree in new old; do
-    [ $tree = old ] && pp="$PWD/.ab/old:$PWD/.ab/old/kernels:$PWD/.device/kernels_site:/tmp/site" || pp=$PYTHONPATH
+    # python -m puts the working folder first on sys.path: run the old tree from its own folder
+    [ $tree = old ] && { dir=.ab/old; pp="$PWD/.ab/old:$PWD/.ab/old/kernels:$PWD/.device/kernels_site:/tmp/site"; } \
+      || { dir=.; pp=$PYTHONPATH; }
     stamp "A/B $tree"
-    PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
+    (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
       --input-len 128 2048 --output-len 32 --prefill-repeats 3 --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" \
-      2>&1 | grep -E '^\{|Error' | cut -c1-300
+      2>&1 | grep -E '^\{|Error' | cut -c1-300)
   done
 fi
 

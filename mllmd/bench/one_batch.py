@@ -75,12 +75,11 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float
 
 def weight_bytes_per_step(model: Any) -> int:
     """Bytes of parameters a decode step reads in full: all but the embedding table, which only has
-    its looked-up rows read, unless it doubles as the (tied) lm_head."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    its looked-up rows read, unless it doubles as the (tied) lm_head, and but a vision tower's."""
+    skipped = {id(p) for name, m in model.named_modules() if name.split(".")[-1] == "visual" for p in m.parameters()}
     if getattr(model, "lm_head", None) is not None:
-        emb = model.model.embed_tokens.weight
-        total -= emb.numel() * emb.element_size()
-    return total
+        skipped |= {id(m.weight) for name, m in model.named_modules() if name.split(".")[-1] == "embed_tokens"}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
 
 
 def random_prompts(bs: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
