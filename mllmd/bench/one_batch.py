@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         hf_cache = None
     hf_model = None
     if args.baseline == "hf":
-        from mllmd.bench.random_checkpoint import hf_model_class
+        from mllmd.testing.checkpoints import hf_model_class
 
         config = json.loads((Path(args.model_path) / "config.json").read_text(encoding="utf-8"))
         hf_model = hf_model_class(config).from_pretrained(args.model_path, dtype=info.dtype).to(info.device).eval()

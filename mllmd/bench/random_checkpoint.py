@@ -25,22 +25,13 @@ from mllmd.testing import checkpoints as ck
 SHARD_BYTES = 4 << 30
 
 
-def hf_model_class(config_dict: dict[str, Any]) -> Any:
-    """transformers' auto class for a config: image-text-to-text where it has a vision tower (Qwen3-VL,
-    Qwen3.5: `model.language_model.*` and `model.visual.*`, the names their checkpoints ship), else
-    causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if "vision_config" in config_dict else AutoModelForCausalLM
-
-
 def _meta_model(config_dict: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
     cfg = dict(config_dict)
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
-        return hf_model_class(config_dict).from_config(config)
+        return ck.hf_model_class(config_dict).from_config(config)
 
 
 def _random_tensor(

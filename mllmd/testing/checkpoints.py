@@ -63,6 +63,15 @@ def shared_models_dir() -> Path:
     return knobs.shared_models_dir() or PACKAGE_ROOT.parent / "shared" / "models"
 
 
+def hf_model_class(config_dict: dict[str, Any]) -> Any:
+    """transformers' auto class for a config: image-text-to-text where it has a vision tower (Qwen3-VL,
+    Qwen3.5: `model.language_model.*` and `model.visual.*`, the names their checkpoints ship), else
+    causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if "vision_config" in config_dict else AutoModelForCausalLM
+
+
 def find_model_source(source: str | os.PathLike[str]) -> Path:
     """Folder of the real config files for `source` (a folder path, or a model name).
 

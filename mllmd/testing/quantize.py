@@ -13,6 +13,7 @@ tests (tiny checkpoints) and by the GPU benchmarks (Qwen3-8B shapes, `--device c
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,11 @@ def quantize_checkpoint(
         preset_name_to_scheme,
     )
     from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).to(device)
+    from mllmd.testing.checkpoints import hf_model_class
+
+    config = json.loads((Path(base) / "config.json").read_text(encoding="utf-8"))
+    model = hf_model_class(config).from_pretrained(base, dtype=torch.float32).to(device)
     if scale_dtype == "model":
         stored = _stored_dtype(base)
     else:
