@@ -21,7 +21,8 @@ Rules, identical for `ReasoningParser.extract` and `StreamingReasoning` (whateve
   strips with `lstrip('\\n')` when rendering a past reply); the rest is verbatim, including any
   later `<think>`/`</think>` text.
 * No `</think>` before the end of the reply (e.g. cut by `max_tokens`): all of it is reasoning and
-  the content is empty.
+  the content is empty, except that, for a request with tools, a `<tool_call>` ends the unclosed
+  reasoning (its preceding `\n`s dropped) and the content starts with it.
 * `extract` returns reasoning `None` when the reply had no reasoning section at all and `""` for an
   empty `<think>\\n\\n</think>` block.
 
@@ -63,10 +64,11 @@ class StreamingReasoning:
     """Incremental splitter: `feed(delta) -> (reasoning_delta, content_delta)`, then `flush()`."""
 
     def __init__(self, starts_in_reasoning: bool = False, start_tag: str = THINK_START,
-                 end_tag: str = THINK_END) -> None:
+                 end_tag: str = THINK_END, tool_call_tag: str | None = None) -> None:
         self.starts_in_reasoning = starts_in_reasoning
         self.start_tag = start_tag
         self.end_tag = end_tag
+        self.tool_call_tag = tool_call_tag  # ends an unclosed reasoning; kept, as the content's start
         self._state = _START
         self._buf = ""
         self.saw_reasoning = False  # a reasoning section was opened (by tag or by the prompt)
@@ -115,6 +117,13 @@ class StreamingReasoning:
                 self._state = _REASONING
             elif self._state == _REASONING:
                 idx = buf.find(self.end_tag)
+                call = buf.find(self.tool_call_tag) if self.tool_call_tag else -1
+                if call >= 0 and (idx < 0 or call < idx):  # a tool call before any `</think>`
+                    reasoning.append(buf[:call].rstrip("\n"))
+                    self._buf = buf[call:]
+                    self._state = _CONTENT
+                    self.reasoning_ended = True
+                    continue
                 if idx >= 0:
                     text = buf[:idx]
                     reasoning.append(text[:-1] if text.endswith("\n") else text)
@@ -127,7 +136,11 @@ class StreamingReasoning:
                     self._buf = ""
                     break
                 hold = _partial_suffix(buf, self.end_tag)
-                if buf[: len(buf) - hold].endswith("\n"):
+                if self.tool_call_tag:  # the "\n"s before a tool call are dropped: hold them all
+                    hold = max(hold, _partial_suffix(buf, self.tool_call_tag))
+                    while hold < len(buf) and buf[len(buf) - hold - 1] == "\n":
+                        hold += 1
+                elif buf[: len(buf) - hold].endswith("\n"):  # the one before `</think>` is dropped
                     hold += 1
                 reasoning.append(buf[: len(buf) - hold])
                 self._buf = buf[len(buf) - hold :]
@@ -155,12 +168,19 @@ class ReasoningParser:
     start_tag: ClassVar[str] = THINK_START
     end_tag: ClassVar[str] = THINK_END
 
-    def __init__(self, starts_in_reasoning: bool = False) -> None:
+    tool_call_tag: ClassVar[str] = "<tool_call>"
+
+    def __init__(self, starts_in_reasoning: bool = False, ends_at_tool_call: bool = False) -> None:
+        """`ends_at_tool_call` (a request with tools): a `<tool_call>` inside a reasoning that was never
+        closed ends the reasoning there and starts the content, so that the tool parser sees the call
+        (Qwen3.5 thinking models may call a tool without closing `<think>`)."""
         self.starts_in_reasoning = starts_in_reasoning
+        self.ends_at_tool_call = ends_at_tool_call
 
     def stream(self) -> StreamingReasoning:
         """A fresh streaming splitter for one reply."""
-        return StreamingReasoning(self.starts_in_reasoning, self.start_tag, self.end_tag)
+        return StreamingReasoning(self.starts_in_reasoning, self.start_tag, self.end_tag,
+                                  self.tool_call_tag if self.ends_at_tool_call else None)
 
     def extract(self, text: str) -> tuple[str | None, str]:
         """Split a whole reply into `(reasoning or None, content)`."""

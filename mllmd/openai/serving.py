@@ -132,7 +132,9 @@ def _split_chat(text: str, meta: PromptMeta, req: Any, opts: ChatOptions) -> tup
     reasoning = None
     content: str | None = text
     if opts.reasoning_parser:
-        parser = get_reasoning_parser(opts.reasoning_parser)(starts_in_reasoning=meta.starts_in_reasoning)
+        tools = bool(opts.tool_call_parser and req.tools and req.tool_choice != "none")
+        parser = get_reasoning_parser(opts.reasoning_parser)(starts_in_reasoning=meta.starts_in_reasoning,
+                                                             ends_at_tool_call=tools)
         reasoning, content = parser.extract(text)
     calls: list[dict[str, Any]] = []
     if opts.tool_call_parser and req.tools and req.tool_choice != "none" and content:
@@ -173,7 +175,7 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
             c = choices[i]
             if reasoners[i] is None and opts.reasoning_parser:
                 reasoners[i] = get_reasoning_parser(opts.reasoning_parser)(
-                    starts_in_reasoning=item.meta.starts_in_reasoning).stream()
+                    starts_in_reasoning=item.meta.starts_in_reasoning, ends_at_tool_call=use_tools).stream()
             if tools[i] is None and use_tools:
                 tools[i] = get_tool_parser(opts.tool_call_parser)(tools=req.tools).stream()
             accumulate(c, item)

@@ -110,6 +110,57 @@ def test_reasoning_extract_and_stream(text: str, starts: bool, reasoning: str | 
         assert stream_reasoning(parser, chunks) == (reasoning or "", content), chunks
 
 
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOL_REASONING_CASES = [
+    # (id, model output, starts_in_reasoning, ends_at_tool_call, reasoning, content)
+    ("call_in_unclosed_reasoning", "I need the weather.\n\n" + CALL, True, True, "I need the weather.", CALL),
+    ("call_in_unclosed_tagged_reasoning", "<think>\nWeather first.\n" + CALL, False, True, "Weather first.", CALL),
+    ("without_tools_it_stays_reasoning", "I need the weather.\n\n" + CALL, True, False,
+     "I need the weather.\n\n" + CALL, ""),
+    ("call_after_closed_reasoning", "r\n</think>\n\n" + CALL, True, True, "r", CALL),
+    ("call_right_away", CALL, True, True, "", CALL),
+    ("partial_tag_at_end_stays_reasoning", "thinking <tool_ca", True, True, "thinking <tool_ca", ""),
+    ("newlines_kept_without_a_call", "a\n\nb\n\n", True, True, "a\n\nb\n\n", ""),
+    ("no_reasoning_section", "plain " + CALL, False, True, None, "plain " + CALL),
+]
+
+
+@pytest.mark.parametrize(("text", "starts", "ends", "reasoning", "content"),
+                         [c[1:] for c in TOOL_REASONING_CASES], ids=[c[0] for c in TOOL_REASONING_CASES])
+def test_a_tool_call_ends_an_unclosed_reasoning(text: str, starts: bool, ends: bool, reasoning: str | None,
+                                                content: str) -> None:
+    parser = ReasoningParser(starts, ends_at_tool_call=ends)
+    assert parser.extract(text) == (reasoning, content)
+    for chunks in splittings(text):
+        assert stream_reasoning(parser, chunks) == (reasoning or "", content), chunks
+
+
+def test_a_tool_call_inside_an_unclosed_thinking_block_is_a_call() -> None:
+    """Qwen3.5-4B/9B think by default; a call made before closing `<think>` reaches the client as a call."""
+    turn = "The user wants the weather.\n\n" + CALL
+    for chunks in splittings(turn):
+        dicts, finish = openai_stream(turn, True, get_tool_parser("qwen3")(tools=WEATHER_TOOLS, make_id=counter_ids),
+                                      chunks)
+        reasoning, content, calls = accumulate(
+            [pytest.importorskip("openai").types.chat.ChatCompletionChunk.model_validate(d) for d in dicts])
+        assert finish == "tool_calls" and reasoning == "The user wants the weather." and not content
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize(("size", "thinks"), [("0.8B", False), ("2B", False), ("4B", True), ("9B", True)])
+def test_qwen3_5_thinking_defaults_by_size(size: str, thinks: bool) -> None:
+    """The 0.8B/2B templates do not think unless asked, 4B/9B do unless told not to; the prompt says
+    which (what the tokenizer worker passes on as starts_in_reasoning)."""
+    relpath = f"Qwen3.5-{size}/chat_template.jinja"
+    messages = [{"role": "user", "content": "hi"}]
+    default = _render(relpath, None, messages=messages, add_generation_prompt=True)
+    assert prompt_ends_in_reasoning(default) == thinks
+    for enable in (True, False):
+        prompt = _render(relpath, None, messages=messages, add_generation_prompt=True, enable_thinking=enable)
+        assert prompt_ends_in_reasoning(prompt) == enable, (size, enable)
+
+
 def test_reasoning_streams_eagerly() -> None:
     """Only a possible "\\n</think>" is held back; tags split across deltas are still found."""
     text = "<think>\nabc def ghi\n</think>\n\nxyz"
@@ -342,8 +393,9 @@ def test_registry() -> None:
 
 def openai_stream(text: str, starts_in_reasoning: bool, tool_parser: ToolCallParser,
                   chunks: list[str]) -> tuple[list[dict[str, Any]], str]:
-    """Reasoning parser -> tool parser -> OpenAI chunk dicts, as the server builds them."""
-    reasoning = ReasoningParser(starts_in_reasoning).stream()
+    """Reasoning parser -> tool parser -> OpenAI chunk dicts, as the server builds them (a request with
+    tools: a tool call ends an unclosed reasoning)."""
+    reasoning = ReasoningParser(starts_in_reasoning, ends_at_tool_call=True).stream()
     tools = tool_parser.stream()
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
@@ -515,11 +567,12 @@ def test_streaming_equals_non_streaming(fragments: list[str], cuts: list[int], s
     chunks = _split(text, cuts)
     assert "".join(chunks) == text
 
-    rparser = ReasoningParser(starts)
-    reasoning, content = rparser.extract(text)
-    assert stream_reasoning(rparser, chunks) == (reasoning or "", content)
-    if reasoning is None:
-        assert content == text  # nothing is lost or rewritten without a reasoning section
+    for ends in (False, True):
+        rparser = ReasoningParser(starts, ends_at_tool_call=ends)
+        reasoning, content = rparser.extract(text)
+        assert stream_reasoning(rparser, chunks) == (reasoning or "", content)
+        if reasoning is None:
+            assert content == text  # nothing is lost or rewritten without a reasoning section
 
     tparser = get_tool_parser(name)(make_id=counter_ids)
     t_content, t_calls = tparser.extract(text)
