@@ -293,6 +293,16 @@ class KVUsage(msgspec.Struct, frozen=True, array_like=True):
     evictable: int
 
 
+class StateUsage(msgspec.Struct, frozen=True, array_like=True):
+    """A hybrid model's recurrent-state pool (Qwen3.5): slots held by requests, by prefix-cache
+    snapshots, and free; `bytes_per_slot` is one request's conv + recurrent state over all layers."""
+
+    total: int
+    free: int
+    snapshots: int
+    bytes_per_slot: int
+
+
 class EngineStats(_Message):
     running: int
     waiting: int
@@ -301,6 +311,7 @@ class EngineStats(_Message):
     decode_tokens_computed: int
     cached_prompt_tokens: int
     preemptions: int
+    states: StateUsage | None = None  # None: the model keeps no recurrent state
 
 
 class ControlResult(_Message):

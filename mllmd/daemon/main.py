@@ -59,6 +59,13 @@ LIVE_KEYS = (
 )
 
 
+def _state_status(states: Any) -> dict[str, Any]:
+    held = states.total - states.free - states.snapshots
+    return {"total_slots": states.total, "free_slots": states.free, "request_slots": held,
+            "snapshot_slots": states.snapshots, "bytes_per_slot": states.bytes_per_slot,
+            "usage_ratio": round(held / states.total, 4) if states.total else 0.0}
+
+
 class Notifier:
     """sd_notify (a no-op outside systemd)."""
 
@@ -572,6 +579,8 @@ class Daemon:
                                      "metrics": self.metrics.num_tracked}},
             "kv_cache": {"total_tokens": total, "free_tokens": kv.free, "cached_tokens": kv.cached,
                          "usage_ratio": round(used / total, 4)} if kv is not None and total else {},
+            # hybrid models (Qwen3.5): per-request recurrent states beside the KV cache
+            "state_cache": _state_status(stats.states) if stats is not None and stats.states is not None else None,
             "memory": {"used_bytes": snap.get("memory_used_bytes"), "total_bytes": snap.get("memory_total_bytes"),
                        "gpu_used_bytes": snap.get("gpu_memory_used_bytes"),
                        "gpu_total_bytes": snap.get("gpu_memory_total_bytes")},

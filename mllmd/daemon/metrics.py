@@ -5,8 +5,9 @@ prometheus-client text format. Names are ``mllmd_*`` in base units; serving metr
 ``model_name``.
 
 Serving metrics
-    gauges ``mllmd_requests_running``, ``mllmd_requests_waiting``, ``mllmd_kv_cache_usage_ratio``
-    (from the scheduler's stats), ``mllmd_model_info{model_name,architecture,dtype,quantization}``
+    gauges (from the scheduler's stats) ``mllmd_requests_running``, ``mllmd_requests_waiting``,
+    ``mllmd_kv_cache_usage_ratio``, and for hybrid models ``mllmd_state_cache_usage_ratio`` (recurrent-
+    state slots held by requests) and ``mllmd_state_cache_snapshots``; ``mllmd_model_info{model_name,architecture,dtype,quantization}``
     (1 for the loaded model only), ``mllmd_up`` (1 when ready); counters
     ``mllmd_prompt_tokens_total``, ``mllmd_generation_tokens_total`` (per finished request, from its
     usage, as SGLang counts them), ``mllmd_request_success_total{finished_reason}``,
@@ -180,6 +181,10 @@ class Metrics:
         self.requests_running = Gauge("mllmd_requests_running", "Requests running in the scheduler", MODEL, registry=r)
         self.requests_waiting = Gauge("mllmd_requests_waiting", "Requests waiting for the scheduler", MODEL, registry=r)
         self.kv_cache_usage = Gauge("mllmd_kv_cache_usage_ratio", "KV cache slots in use (0..1)", MODEL, registry=r)
+        self.state_cache_usage = Gauge("mllmd_state_cache_usage_ratio",
+                                       "Recurrent-state slots held by requests (0..1; hybrid models only)", MODEL, registry=r)
+        self.state_snapshots = Gauge("mllmd_state_cache_snapshots",
+                                     "Recurrent-state slots held as prefix-cache snapshots (hybrid models only)", MODEL, registry=r)
         self.model_info = Gauge("mllmd_model_info", "The loaded model (value 1)",
                                 ("model_name", "architecture", "dtype", "quantization"), registry=r)
         self.up = Gauge("mllmd_up", "1 when the daemon is ready to serve", registry=r)
@@ -222,7 +227,8 @@ class Metrics:
 
     def _clear_model_locked(self) -> None:
         self.model_info.clear()
-        for gauge in (self.requests_running, self.requests_waiting, self.kv_cache_usage):
+        for gauge in (self.requests_running, self.requests_waiting, self.kv_cache_usage, self.state_cache_usage,
+                      self.state_snapshots):
             gauge.clear()
         self._engine_last.clear()  # a new scheduler worker counts from zero
 
@@ -247,6 +253,10 @@ class Metrics:
             ratio = _kv_usage(stats.kv)
             if ratio is not None:
                 self.kv_cache_usage.labels(name).set(ratio)
+            st = stats.states
+            if st is not None and st.total > 0:
+                self.state_cache_usage.labels(name).set((st.total - st.free - st.snapshots) / st.total)
+                self.state_snapshots.labels(name).set(st.snapshots)
             for key, attr in ENGINE_COUNTERS.items():
                 value = getattr(stats, key)
                 if value < 0:

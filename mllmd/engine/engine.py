@@ -253,6 +253,15 @@ class Engine:
             "evictable": self.cache.evictable_size(),
         }
 
+    def state_usage(self) -> dict[str, int] | None:
+        """The recurrent-state pool's slots (hybrid models), or None."""
+        states = self.runner.state_pool
+        if states is None:
+            return None
+        snapshots = self.cache.num_states if isinstance(self.cache, HybridRadixCache) else 0
+        return {"total": states.size, "free": states.available(), "snapshots": snapshots,
+                "bytes_per_slot": states.slot_bytes}
+
     def is_idle_and_clean(self) -> bool:
         """No request holds KV: every slot is free or owned by the prefix cache, all request slots free."""
         alloc = self.runner.allocator

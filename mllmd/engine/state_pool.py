@@ -31,6 +31,11 @@ class StatePool:
         ssm = ssm_shape[0] * ssm_shape[1] * ssm_shape[2] * 4
         return num_layers * (conv + ssm)
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over all layers (conv + recurrent state)."""
+        return (self.conv[:, 0].numel() * self.conv.element_size()) + (self.ssm[:, 0].numel() * self.ssm.element_size())
+
     def available(self) -> int:
         return len(self._free)
 

@@ -26,6 +26,7 @@ from mllmd.messages import (
     RequestFailed,
     ResetRequests,
     SchedulerInbox,
+    StateUsage,
     TokenOutputs,
     decoder,
     encode,
@@ -66,6 +67,7 @@ def _engine_stats(engine: Any) -> EngineStats:
         decode_tokens_computed=s.decode_tokens_computed,
         cached_prompt_tokens=s.cached_prompt_tokens,
         preemptions=s.preemptions,
+        states=StateUsage(**states) if (states := engine.state_usage()) is not None else None,
     )
 
 
