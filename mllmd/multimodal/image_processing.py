@@ -192,6 +192,11 @@ def count_image_tokens(
     return num_image_tokens(grid_thw_for(h, w, cfg), cfg.merge_size)
 
 
+def _bicubic(image_module: Any) -> Any:
+    """Pillow's bicubic filter: `Image.Resampling` from 9.1, the module constant before (Ubuntu 22.04's 9.0)."""
+    return getattr(image_module, "Resampling", image_module).BICUBIC
+
+
 def resize_for_model(
     img: PILImage.Image, cfg: VisionPreprocessConfig, max_pixels_cap: int | None = None
 ) -> np.ndarray:
@@ -207,7 +212,7 @@ def resize_for_model(
             f"resize_for_model takes an RGB image (image_io.load_image makes one), got {img.mode}"
         )
     height, width = target_size(img.height, img.width, cfg, max_pixels_cap)
-    resized = img.resize((width, height), resample=Image.Resampling.BICUBIC, reducing_gap=None)
+    resized = img.resize((width, height), resample=_bicubic(Image), reducing_gap=None)
     return np.array(resized, dtype=np.uint8)  # a writable copy (np.asarray of a PIL image is read-only)
 
 
