@@ -31,7 +31,8 @@ from mllmd.sampling_params import SamplingParams
 
 
 class _Message(msgspec.Struct, frozen=True, array_like=True, tag=True):
-    """A message: encoded as an array whose first item is the class name (its tag)."""
+    """A message: encoded as an array whose first item is the class name (its tag). Subclasses inherit the
+    options; they repeat frozen=True for type checkers (a dataclass_transform base's frozen is not inherited)."""
 
 
 # ---- prompts and what the tokenizer learns about them -------------------------------------------
@@ -75,7 +76,7 @@ class _Handle(msgspec.Struct, frozen=True, array_like=True, tag=True):
     the sender's: the receiver returns it in a TransportAck once it no longer needs the sender's copy."""
 
 
-class ShmTensor(_Handle):
+class ShmTensor(_Handle, frozen=True):
     """`default` mode: the bytes in a POSIX shared-memory segment, which the receiver unlinks after its copy.
     `name` is empty for a tensor with no elements (no segment)."""
 
@@ -100,7 +101,7 @@ class CudaIpcStorage(msgspec.Struct, frozen=True, array_like=True):
     event_sync_required: bool  # False: the sender synchronised its stream instead of recording the event
 
 
-class CudaIpcTensor(_Handle):
+class CudaIpcTensor(_Handle, frozen=True):
     """`cuda_ipc` mode: a device tensor of the sender's, kept alive there until acknowledged."""
 
     id: int
@@ -110,7 +111,7 @@ class CudaIpcTensor(_Handle):
     nbytes: int
 
 
-class PoolTensor(_Handle):
+class PoolTensor(_Handle, frozen=True):
     """`cuda_ipc_pool` mode: bytes [offset, offset + nbytes) of the sender's workspace `pool_id`. The
     receiver maps `pool` once per pool_id and waits on `event_handle` (recorded after the sender's copy
     into the chunk); the chunk is reused only after the ack of `id`. `generation` names this use of the
@@ -131,7 +132,7 @@ TensorHandle = ShmTensor | CudaIpcTensor | PoolTensor
 
 
 # ---- main -> tokenizer -> scheduler ---------------------------------------------------------------
-class TokenizeRequest(_Message):
+class TokenizeRequest(_Message, frozen=True):
     """One prompt with one sampling run per rid (n choices); `group` names them together."""
 
     group: str
@@ -154,7 +155,7 @@ class ImageInput(msgspec.Struct, frozen=True, array_like=True):
     pixels: TensorHandle
 
 
-class GenerateRequest(_Message):
+class GenerateRequest(_Message, frozen=True):
     """A tokenized choice for the engine (`images`: a vision-language prompt's, in prompt order)."""
 
     rid: str
@@ -165,16 +166,16 @@ class GenerateRequest(_Message):
     images: list[ImageInput] = []
 
 
-class AbortRequest(_Message):
+class AbortRequest(_Message, frozen=True):
     rid: str
 
 
-class FlushCache(_Message):
+class FlushCache(_Message, frozen=True):
     id: str
 
 
 # ---- scheduler -> detokenizer ------------------------------------------------------------------------
-class RegisterRequest(_Message):
+class RegisterRequest(_Message, frozen=True):
     """What the detokenizer keeps for an admitted request."""
 
     rid: str
@@ -200,11 +201,11 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     matched_stop: int | str | None = None
 
 
-class TokenOutputs(_Message):
+class TokenOutputs(_Message, frozen=True):
     outputs: list[TokenOutput]
 
 
-class ResetRequests(_Message):
+class ResetRequests(_Message, frozen=True):
     """A new scheduler process started: whatever the previous one ran is gone."""
 
 
@@ -241,7 +242,7 @@ class TextOutput(msgspec.Struct, frozen=True, array_like=True):
     meta: PromptMeta = PromptMeta()
 
 
-class TextOutputs(_Message):
+class TextOutputs(_Message, frozen=True):
     items: list[TextOutput]
 
 
@@ -249,7 +250,7 @@ class TextOutputs(_Message):
 ErrorCode = Literal["invalid_request", "unavailable", "internal"]
 
 
-class RequestFailed(_Message):
+class RequestFailed(_Message, frozen=True):
     """A request (or every choice of a group: `rid` may be a group name) ended with an error."""
 
     rid: str
@@ -258,14 +259,14 @@ class RequestFailed(_Message):
     param: str | None = None
 
 
-class Heartbeat(_Message):
+class Heartbeat(_Message, frozen=True):
     worker: str
     pid: int
     time: float
     requests: int | None = None  # requests the worker holds state for (None: it keeps none)
 
 
-class WorkerReady(_Message):
+class WorkerReady(_Message, frozen=True):
     """A worker finished starting; the scheduler and tokenizer say what they loaded."""
 
     worker: str
@@ -280,7 +281,7 @@ class WorkerReady(_Message):
     transport_fallback: str | None = None  # why it is not the configured one
 
 
-class WorkerFatal(_Message):
+class WorkerFatal(_Message, frozen=True):
     worker: str
     pid: int
     message: str
@@ -303,7 +304,7 @@ class StateUsage(msgspec.Struct, frozen=True, array_like=True):
     bytes_per_slot: int
 
 
-class EngineStats(_Message):
+class EngineStats(_Message, frozen=True):
     running: int
     waiting: int
     kv: KVUsage
@@ -314,13 +315,13 @@ class EngineStats(_Message):
     states: StateUsage | None = None  # None: the model keeps no recurrent state
 
 
-class ControlResult(_Message):
+class ControlResult(_Message, frozen=True):
     op: str
     id: str
     freed_tokens: int = 0
 
 
-class TransportAck(_Message):
+class TransportAck(_Message, frozen=True):
     """scheduler -> tokenizer: the handles whose copies completed in the receiver (ids of TensorHandles)."""
 
     ids: list[int]

@@ -18,8 +18,8 @@ OFFLOAD_BYTES = 256 * 1024  # larger bodies are decoded and validated off the ev
 
 def from_unix_socket(request: Request) -> bool:
     """uvicorn reports a Unix-socket listener as server (path, None)."""
-    server = request.scope.get("server")
-    return bool(server) and server[1] is None
+    server: tuple[str, int | None] | None = request.scope.get("server")  # the ASGI scope's (host, port)
+    return server is not None and server[1] is None
 
 
 def bearer_matches(request: Request, key: str) -> bool:

@@ -16,6 +16,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -647,13 +648,19 @@ class Daemon:
             fallback = configured if recorded and configured and (configured != path or overrides) else None
             self._load_at_boot(path, overrides, fallback)
         app = build_app(self)
+        grace = 1  # seconds uvicorn waits for open responses once told to exit
+        # (the ignore: uvicorn annotates timeout_keep_alive int; it goes to loop.call_later, a float works)
         uconfig = uvicorn.Config(app, http=protocol_class(self.connections), lifespan="off", log_level="warning",
-                                 access_log=False, timeout_graceful_shutdown=1, backlog=caps.backlog,
+                                 access_log=False, timeout_graceful_shutdown=grace, backlog=caps.backlog,
                                  timeout_keep_alive=srv.keepalive_timeout)  # type: ignore[arg-type]
-        server = uvicorn.Server(uconfig)
-        # SIGTERM/SIGINT are ours (drain first); uvicorn >= 0.29 would otherwise take them and stop at once
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+
+        class _Server(uvicorn.Server):
+            # SIGTERM/SIGINT are ours (drain first); uvicorn's serve() would otherwise take them and stop at once
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        server = _Server(uconfig)
         tasks = [
             asyncio.create_task(self._supervise_loop()),
             asyncio.create_task(self._watchdog_loop()),
@@ -664,7 +671,7 @@ class Daemon:
         await self._drain()
         server.should_exit = True
         # let uvicorn send the responses that are ready (the 503s above) and close the connections
-        await asyncio.wait({tasks[-1]}, timeout=uconfig.timeout_graceful_shutdown + 1.0)
+        await asyncio.wait({tasks[-1]}, timeout=grace + 1.0)
         for t in tasks:
             t.cancel()
         for t in list(self._tasks):

@@ -72,7 +72,7 @@ class ModelSlot:
         self.facts = facts
         self.served_name = served_name
         self.ipc_dir = make_ipc_dir()
-        self.inbox = ipc.pull(zctx, self.ipc_dir, ipc.MAIN)  # type: ignore[arg-type]
+        self.inbox = ipc.pull(zctx, self.ipc_dir, ipc.MAIN)
         self.rm = RequestManager(zctx, str(self.ipc_dir))
         settings = {
             "engine": dataclasses.asdict(engine),

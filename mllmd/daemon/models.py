@@ -141,7 +141,7 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
         kv_per_token = 2 * kv_layers * text["num_key_value_heads"] * head_dim * 2
     except (KeyError, TypeError, ZeroDivisionError):
         pass
-    dtype = config.get("torch_dtype") or config.get("dtype") or (max(dtypes, key=dtypes.get).lower() if dtypes else None)
+    dtype = config.get("torch_dtype") or config.get("dtype") or (max(dtypes, key=dtypes.__getitem__).lower() if dtypes else None)
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token,
                       isinstance(config.get("vision_config"), dict))

@@ -56,8 +56,8 @@ class RequestState:
 
 class RequestManager:
     def __init__(self, ctx: zmq.asyncio.Context, ipc_dir: str) -> None:
-        self.to_tokenizer = ipc.push(ctx, ipc_dir, ipc.TOKENIZER)  # type: ignore[arg-type]
-        self.to_scheduler = ipc.push(ctx, ipc_dir, ipc.SCHEDULER)  # type: ignore[arg-type]
+        self.to_tokenizer = ipc.push(ctx, ipc_dir, ipc.TOKENIZER)
+        self.to_scheduler = ipc.push(ctx, ipc_dir, ipc.SCHEDULER)
         self.reqs: dict[str, RequestState] = {}
         self.groups: dict[str, list[str]] = {}
 

@@ -49,7 +49,11 @@ class Engine:
         if config.disable_radix_cache:
             cache = ChunkCache(alloc.free, device=self.runner.device)
         elif states is not None:  # hybrid: KV and recurrent-state snapshots
-            cache = HybridRadixCache(alloc.free, lambda slots: [states.free(s) for s in slots], device=self.runner.device)
+            def free_states(slots: list[int]) -> None:
+                for s in slots:
+                    states.free(s)
+
+            cache = HybridRadixCache(alloc.free, free_states, device=self.runner.device)
         else:
             cache = RadixCache(alloc.free, device=self.runner.device)
         self.cache = cache

@@ -449,7 +449,9 @@ class ModelRunner:
         penalised = states.penalised_np[slots]
         if rows is None and (keep_on_device or penalised.any()):
             rows = to_device(slots, torch.int64, self.device)
-        out = self.sampler(logits, info, token_sink=(self.token_buf, rows) if keep_on_device else None)
+        # (rows is set above whenever keep_on_device; the test on it tells the type checker so)
+        sink = (self.token_buf, rows) if keep_on_device and rows is not None else None
+        out = self.sampler(logits, info, token_sink=sink)
         if rows is not None:
             states.record(rows, out.next_token_ids, penalised)
         return out

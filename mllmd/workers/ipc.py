@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
+
+# The context's socket class: an asyncio context's sockets have awaitable send/recv.
+_Socket = TypeVar("_Socket", bound="zmq.Socket[Any]")
 
 MAIN = "main"
 TOKENIZER = "tokenizer"
@@ -27,13 +30,13 @@ def address(ipc_dir: str | os.PathLike[str], name: str) -> str:
     return f"ipc://{Path(ipc_dir) / (name + '.sock')}"
 
 
-def pull(ctx: zmq.Context[Any], ipc_dir: str | os.PathLike[str], name: str) -> zmq.Socket[Any]:
+def pull(ctx: zmq.Context[_Socket], ipc_dir: str | os.PathLike[str], name: str) -> _Socket:
     sock = ctx.socket(zmq.PULL)
     sock.bind(address(ipc_dir, name))
     return sock
 
 
-def push(ctx: zmq.Context[Any], ipc_dir: str | os.PathLike[str], name: str) -> zmq.Socket[Any]:
+def push(ctx: zmq.Context[_Socket], ipc_dir: str | os.PathLike[str], name: str) -> _Socket:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address(ipc_dir, name))

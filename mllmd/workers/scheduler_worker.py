@@ -119,7 +119,8 @@ def _images(msg: GenerateRequest, receiver: Any, device: Any) -> list[Any]:
         except Exception as e:
             error = error or e
             continue
-        out.append(EngineImage(im.start, im.num_tokens, tuple(im.grid_thw), im.content_hash, pixels))
+        t, h, w = im.grid_thw
+        out.append(EngineImage(im.start, im.num_tokens, (t, h, w), im.content_hash, pixels))
     if error is not None:
         raise error
     return out

@@ -51,11 +51,12 @@ class HybridRadixCache(RadixCache):
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
         """The longest cached prefix that ends at a node with a snapshot (`MatchResult.state`)."""
         full = super().match_prefix(key)
-        node = full.last_node
+        node: TreeNode = full.last_node
         path_len = int(full.indices.numel())
         while node is not self.root and node.id not in self._state:
             path_len -= len(node.key)
-            node = node.parent  # type: ignore[assignment]  # only the root has no parent
+            assert node.parent is not None  # only the root has no parent
+            node = node.parent
         state = self._state.get(node.id)
         if state is not None:
             node.last_access_time = next(self._clock)
@@ -112,7 +113,7 @@ class HybridRadixCache(RadixCache):
         """Free up to `count` snapshot slots, least recently used unlocked nodes first."""
         heap = [(n.last_access_time, n.id, n) for nid, n in self._state_nodes.items() if nid not in self._state_locks]
         heapq.heapify(heap)
-        freed = []
+        freed: list[int] = []
         while len(freed) < count and heap:
             _, nid, _ = heapq.heappop(heap)
             freed.append(self._state.pop(nid))
