@@ -8,6 +8,41 @@ from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
 
+# What an OutputConstraint may ask for (mllmd/structured builds the grammar of each).
+CONSTRAINT_KINDS = ("json_object", "json_schema", "tool_calls")
+TOOL_CALL_FORMATS = ("hermes", "qwen3_xml")
+
+
+@dataclass
+class ToolSchema:
+    """One function a constrained reply may call: its name and its parameters' JSON schema (text)."""
+
+    name: str
+    parameters: str = '{"type": "object"}'
+
+
+@dataclass
+class OutputConstraint:
+    """Structured output: the reply (after any reasoning block) must match a grammar.
+
+    kind json_object: any JSON object; json_schema: `schema` (JSON text), `strict` refusing
+    properties the schema does not name; tool_calls: one call of one of `tools` (several, one per
+    line, with `parallel`), written in the model's `tool_format`. `starts_after_token`: the grammar
+    applies only after this token (the `</think>` of a prompt that opens a reasoning block)."""
+
+    kind: str
+    schema: str | None = None
+    strict: bool = True
+    tools: list[ToolSchema] = field(default_factory=list)
+    tool_format: str = "hermes"
+    parallel: bool = False
+    starts_after_token: int | None = None
+
+    def cache_key(self) -> str:
+        """What the compiled grammar depends on (not where it starts)."""
+        tools = [(t.name, t.parameters) for t in self.tools]
+        return repr((self.kind, self.schema, self.strict, tools, self.tool_format, self.parallel))
+
 
 class InvalidSamplingParam(ValueError):
     """A sampling parameter out of range; `param` is its name."""
@@ -41,6 +76,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +129,16 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 bad("stop_token_ids", "must be token ids in the vocabulary")
+        c = self.constraint
+        if c is not None:
+            if c.kind not in CONSTRAINT_KINDS:
+                raise InvalidSamplingParam(f"constraint: kind must be one of {', '.join(CONSTRAINT_KINDS)} "
+                                           f"(got {c.kind!r})", "response_format")
+            if c.kind == "json_schema" and not c.schema:
+                raise InvalidSamplingParam("constraint: json_schema needs a schema", "response_format")
+            if c.kind == "tool_calls" and (not c.tools or c.tool_format not in TOOL_CALL_FORMATS):
+                raise InvalidSamplingParam("constraint: tool_calls needs tools and a known tool_format",
+                                           "tool_choice")
         if self.logit_bias:
             for t, b in self.logit_bias.items():
                 if t < 0 or (vocab_size is not None and t >= vocab_size):

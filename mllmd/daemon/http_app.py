@@ -35,6 +35,8 @@ from mllmd.openai.errors import (
 )
 from mllmd.openai.limits import Limits
 from mllmd.openai.openapi import openapi_document
+from mllmd.sampling_params import OutputConstraint
+from mllmd.structured.grammar import tool_call_format
 
 if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
@@ -136,9 +138,12 @@ class Api:
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def _submit(self, prompt: Prompt, req: Any, n: int, prompt_param: str) -> list[Any]:
-        """Validate the request's sampling fields, then hand the prompt to the serving slot."""
+    async def _submit(self, prompt: Prompt, req: Any, n: int, prompt_param: str,
+                      constraint: OutputConstraint | None = None) -> list[Any]:
+        """Validate the request's sampling fields, then hand the prompt to the serving slot
+        (`constraint`: the grammar of a structured reply, compiled by the tokenizer worker)."""
         params = req.sampling_params()
+        params.constraint = constraint
         slot = self.d.serving_slot(n)
         return await slot.rm.submit(prompt, params, req.output_budget(), n, prompt_param, slot.context_length)
 
@@ -172,7 +177,8 @@ class Api:
         if req.image_urls:
             self._check_images(len(req.image_urls))
         prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
-        states = await self._submit(prompt, req, req.n, "messages")
+        constraint = req.output_constraint(tool_call_format(self.d.config.server.tool_call_parser))
+        states = await self._submit(prompt, req, req.n, "messages", constraint)
         opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,
                                    self.d.config.server.tool_call_parser)
         if req.stream:

@@ -5,6 +5,7 @@ This is what the scheduler worker and the offline `LLM` drive: `add_request`, `a
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -17,9 +18,15 @@ from mllmd.engine.model_runner import ModelRunner
 from mllmd.engine.prefix_cache import ChunkCache, HybridRadixCache, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, AdmissionError, EngineImage, Req, ReqStatus
 from mllmd.engine.sampling import uses_output_penalties
+from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import Scheduler
 from mllmd.messages import TokenOutput
-from mllmd.sampling_params import SamplingParams
+from mllmd.sampling_params import OutputConstraint, SamplingParams
+from mllmd.structured.grammar import GrammarCompiler, GrammarError
+from mllmd.structured.mask import bitmask_words
+from mllmd.structured.matcher import RequestGrammar
+
+logger = logging.getLogger(__name__)
 
 SEED_MASK = (1 << 63) - 1
 
@@ -77,6 +84,7 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         self._pending_outputs: list[TokenOutput] = []
         self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(
@@ -111,8 +119,23 @@ class Engine:
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed & SEED_MASK, images=list(images or []))
         if mrope is not None:
             req.mrope_positions, req.mrope_delta = mrope
+        if params.constraint is not None:
+            req.grammar = self._grammar_for(params.constraint)
         self.reqs[rid] = req
         self.scheduler.add(req)
+
+    def _grammar_for(self, c: OutputConstraint) -> RequestGrammar:
+        """A matcher for a constrained request (the compiler, with the model's tokenizer, built once)."""
+        if self._grammars is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
+            self._grammars = GrammarCompiler(tokenizer, self.info.vocab_size)
+        try:
+            compiled = self._grammars.compile(c)
+        except GrammarError as e:
+            raise AdmissionError(str(e), e.param) from None
+        return RequestGrammar(compiled, self.info.eos_token_ids, c.starts_after_token)
 
     def abort(self, rid: str) -> bool:
         """Stop a request now and free its memory; its final output says finish_reason "abort"."""
@@ -150,7 +173,18 @@ class Engine:
             if sampling_reqs:
                 # every row samples (decodes): the batch's device-side request rows are the token slots
                 rows = batch.req_pool_indices if len(sampling_reqs) == len(sched.reqs) else None
-                launched = self._launch_sampling(sampling_reqs, logits, rows)
+                if self._inflight is not None and any(r.grammar is not None for r in sampling_reqs):
+                    # a grammar's mask needs the previous token: take batch N's tokens now, while the
+                    # device runs this batch's forward, then sample with the masks
+                    outputs += self._complete(self._inflight)
+                    self._inflight = None
+                    keep = [i for i, r in enumerate(sampling_reqs) if not r.finished]
+                    if len(keep) < len(sampling_reqs):  # ended at step N: nothing to sample for them
+                        logits = logits[torch.tensor(keep, dtype=torch.int64, device=logits.device)]
+                        sampling_reqs = [sampling_reqs[i] for i in keep]
+                        rows = None
+                if sampling_reqs:
+                    launched = self._launch_sampling(sampling_reqs, logits, rows)
         if self._inflight is not None:
             outputs += self._complete(self._inflight)  # the device runs `launched` meanwhile
             self._inflight = None
@@ -171,13 +205,26 @@ class Engine:
         """Sample on the device and start copying the tokens back; with overlap, each request gets a
         placeholder token that the runner's device-side token stands in for until _complete fills it.
         `rows`: the requests' slots on the device already (else they are copied up)."""
-        out = self.runner.sample(reqs, logits, rows, keep_on_device=self.overlap)
+        out = self.runner.sample(reqs, logits, rows, keep_on_device=self.overlap,
+                                 token_mask=self._token_mask(reqs, logits.device))
         positions = [len(r.token_ids) for r in reqs]
         if self.overlap:
             for r in reqs:
                 r.token_ids.append(PLACEHOLDER)
         pending = PendingFetch([out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs])
         return _Launched(reqs, positions, pending)
+
+    def _token_mask(self, reqs: list[Req], device: torch.device) -> TokenMask | None:
+        """The grammar rows' allowed tokens, filled on the host and copied up without a sync."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished and r.grammar.constrains]
+        if not rows:
+            return None
+        pin = device.type == "cuda"
+        bitmask = torch.empty(len(rows), bitmask_words(self.info.vocab_size), dtype=torch.int32, pin_memory=pin)
+        for j, i in enumerate(rows):
+            reqs[i].grammar.fill(bitmask, j)
+        idx = torch.tensor(rows, dtype=torch.int64, pin_memory=pin)
+        return bitmask.to(device, non_blocking=True), idx.to(device, non_blocking=True)
 
     def _complete(self, launched: _Launched) -> list[TokenOutput]:
         """Wait for a launched batch's tokens; record them, check stops, report."""
@@ -204,6 +251,9 @@ class Engine:
                 req.top_logprobs += top
             num_output = pos + 1 - len(req.prompt_ids)
             reason = self._check_finish(req, tok, num_output, pos + 1)
+            if req.grammar is not None and not req.grammar.accept(tok) and reason is None:
+                logger.error("request %s: the grammar refused token %d; the request ends", req.rid, tok)
+                reason = "stop"
             if reason is not None:
                 del req.token_ids[pos + 1 :]  # the in-flight batch's placeholder, if any
                 self.scheduler.finish(req, reason)

@@ -24,6 +24,7 @@ from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
 from mllmd.engine.model_forward import forward_logits
 from mllmd.engine.request import PLACEHOLDER, Req
 from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
+from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import ScheduledBatch
 from mllmd.engine.state_pool import StatePool, StateStep
 from mllmd.engine.vision_runner import VisionRunner, mrope_step_positions
@@ -431,12 +432,14 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def sample(self, reqs: list[Req], logits: torch.Tensor, rows: torch.Tensor | None, keep_on_device: bool) -> SamplerOutput:
+    def sample(self, reqs: list[Req], logits: torch.Tensor, rows: torch.Tensor | None, keep_on_device: bool,
+               token_mask: TokenMask | None = None) -> SamplerOutput:
         """The next token of each of `reqs` (row i of logits [B, V] is reqs[i]'s). Each request's
         sampling row is written into its slot's state when it first samples there; the batch then
         reads those rows (`rows`: the slots on the device, if they are already). With `keep_on_device`
         (overlap) each token also lands in the slot's entry of the token buffer, where the next step
-        reads tokens still on their way to the host."""
+        reads tokens still on their way to the host. `token_mask`: the grammar-constrained rows' allowed
+        tokens (Sampler)."""
         states = self.sampling
         slots: list[int] = []
         for r in reqs:
@@ -451,7 +454,7 @@ class ModelRunner:
             rows = to_device(slots, torch.int64, self.device)
         # (rows is set above whenever keep_on_device; the test on it tells the type checker so)
         sink = (self.token_buf, rows) if keep_on_device and rows is not None else None
-        out = self.sampler(logits, info, token_sink=sink)
+        out = self.sampler(logits, info, token_sink=sink, token_mask=token_mask)
         if rows is not None:
             states.record(rows, out.next_token_ids, penalised)
         return out

@@ -84,6 +84,9 @@ class Req:
     # for the prefix cache when the request releases its KV)
     state_slot: int | None = None
     snapshots: list[tuple[int, int]] = field(default_factory=list)
+    # structured outputs: the grammar matcher (mllmd.structured.matcher.RequestGrammar) of a
+    # constrained request, advanced by each token it takes
+    grammar: Any = None
     _key_prompt: list[int] | None = None
 
     def __post_init__(self) -> None:

@@ -106,7 +106,11 @@ def _schemas(limits: L.Limits) -> dict[str, Any]:
         "parallel_tool_calls": {"type": "boolean"},
         "logprobs": {"type": "boolean", "default": False},
         "top_logprobs": _int(0, MAX_TOP_LOGPROBS, description="requires logprobs: true"),
-        "response_format": {"type": "object", "properties": {"type": {"const": "text"}}},
+        "response_format": {"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "minLength": 1}, "description": {"type": "string"},
+                "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
         "chat_template_kwargs": {
             "type": "object", "maxProperties": L.MAX_TEMPLATE_KWARGS,
             "propertyNames": {"pattern": f"^[A-Za-z_][A-Za-z0-9_]{{0,{L.MAX_TEMPLATE_KWARG_NAME - 1}}}$",

@@ -12,6 +12,7 @@ endpoint's ``sampling_params`` object is strict: an unknown key there is an erro
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -34,7 +35,7 @@ from mllmd.openai.limits import (
     check_free_json,
     decode_json,  # noqa: F401 (re-exported: the API's JSON rules, used by the admin routes too)
 )
-from mllmd.sampling_params import MAX_TOP_LOGPROBS, SamplingParams, output_limit
+from mllmd.sampling_params import MAX_TOP_LOGPROBS, OutputConstraint, SamplingParams, ToolSchema, output_limit
 
 MAX_N = 16  # choices per prompt
 MAX_BATCH = 256  # prompts per request (completions, /generate); also caps len(prompts) * n
@@ -354,6 +355,28 @@ class ChatRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] = "none"
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # response_format beyond text: {"type": "json_object"} or {"type": "json_schema", "schema": text,
+    # "strict": bool}
+    response_format: dict[str, Any] | None = None
+
+    def output_constraint(self, tool_format: str) -> OutputConstraint | None:
+        """The grammar the reply must follow: a forced tool call (tool_choice "required" or a named
+        function) in the model's `tool_format`, else the response_format; None when free."""
+        if self.tools and (self.tool_choice == "required" or isinstance(self.tool_choice, dict)):
+            tools = self.tools
+            if isinstance(self.tool_choice, dict):
+                tools = [t for t in tools if t["function"]["name"] == self.tool_choice["function"]["name"]]
+            schemas = [ToolSchema(t["function"]["name"], json.dumps(t["function"].get("parameters") or
+                                                                    {"type": "object"}, ensure_ascii=False))
+                       for t in tools]
+            return OutputConstraint("tool_calls", tools=schemas, tool_format=tool_format,
+                                    parallel=self.parallel_tool_calls and self.tool_choice == "required")
+        rf = self.response_format
+        if rf is None:
+            return None
+        if rf["type"] == "json_object":
+            return OutputConstraint("json_object")
+        return OutputConstraint("json_schema", schema=rf["schema"], strict=rf["strict"])
 
     @property
     def image_urls(self) -> list[str]:
@@ -517,6 +540,38 @@ def _parse_tool_choice(o: _Obj, tools: list[dict[str, Any]] | None) -> str | dic
     return {"type": "function", "function": {"name": name}}
 
 
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _parse_response_format(o: _Obj) -> dict[str, Any] | None:
+    """response_format as OpenAI defines it; None for text. The schema is checked as JSON here and
+    compiled by the tokenizer worker (a schema it cannot compile is a 400 from there)."""
+    rf = o.get_obj("response_format")
+    if rf is None:
+        return None
+    kind = rf.raw("type", required=True)
+    if kind not in RESPONSE_FORMATS:
+        raise rf.err("type", f"must be one of {', '.join(RESPONSE_FORMATS)} (got {_show(kind)})")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    js = rf.get_obj("json_schema", required=True)
+    assert js is not None
+    js.get_str("name", required=True, allow_empty=False)
+    js.get_str("description")
+    schema = js.raw("schema")
+    if schema is None:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise js.err("schema", f"must be a JSON schema object (got {_show(schema)})")
+    check_free_json(schema, js.param("schema"))
+    strict = js.raw("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise js.err("strict", f"must be a boolean (got {_show(strict)})")
+    return {"type": "json_schema", "schema": json.dumps(schema, ensure_ascii=False), "strict": bool(strict)}
+
+
 def _read_stream(o: _Obj) -> tuple[bool, bool]:
     """(stream, include_usage); stream_options is only allowed with stream, as OpenAI requires."""
     stream = o.get_bool("stream", False)
@@ -560,9 +615,7 @@ def parse_chat_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> ChatReques
     if not messages:
         raise o.err("messages", "must not be empty")
     check_count(messages, "messages", MAX_MESSAGES, "messages")
-    rf = o.get_obj("response_format")
-    if rf is not None and rf.raw("type") != "text":
-        raise rf.err("type", f"only 'text' is supported for now (got {_show(rf.raw('type'))})")
+    response_format = _parse_response_format(o)
     template_kwargs = _read_template_kwargs(o)
     stream, include_usage = _read_stream(o)
     logprobs = o.get_bool("logprobs", False)
@@ -582,6 +635,7 @@ def parse_chat_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> ChatReques
         tool_choice=_parse_tool_choice(o, tools),
         parallel_tool_calls=o.get_bool("parallel_tool_calls", True),
         chat_template_kwargs=template_kwargs,
+        response_format=response_format,
         max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs or 0,

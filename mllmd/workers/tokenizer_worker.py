@@ -17,6 +17,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from mllmd.messages import (
     ChatPrompt,
     GenerateRequest,
@@ -34,7 +36,9 @@ from mllmd.messages import (
 from mllmd.multimodal.chat import VisionPrompt, image_parts
 from mllmd.multimodal.image_io import ImageError
 from mllmd.multimodal.transport import TransportFull
+from mllmd.openai.reasoning_parser import THINK_END
 from mllmd.sampling_params import InvalidSamplingParam, choice_params, fit_max_tokens
+from mllmd.structured.grammar import GrammarCompiler, GrammarError
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
 from mllmd.workers.vision_prompts import VisionPrompts, takes_images
@@ -88,6 +92,33 @@ def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, co
             for rid, p in zip(req.rids, choice_params(params, len(req.rids)))]
 
 
+class Grammars:
+    """The structured-output compiler of this tokenizer (built at the first constrained request:
+    xgrammar's view of a 151k vocabulary takes about a second)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+        think_end = tokenizer.convert_tokens_to_ids(THINK_END)
+        self.think_end: int | None = think_end if isinstance(think_end, int) and think_end != tokenizer.unk_token_id else None
+
+    def constrain(self, req: TokenizeRequest, meta: PromptMeta) -> TokenizeRequest:
+        """Compile the request's constraint (GrammarError, the client's fault, if it cannot be); a
+        prompt that opens a reasoning block gets the grammar only after the block's end."""
+        c = req.params.constraint
+        if c is None:
+            return req
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        self._compiler.compile(c)
+        start = self.think_end if meta.starts_in_reasoning else None
+        if start == c.starts_after_token:
+            return req
+        params = dataclasses.replace(req.params, constraint=dataclasses.replace(c, starts_after_token=start))
+        return msgspec.structs.replace(req, params=params)
+
+
 def check_tokenizer(tokenizer: Any, path: str) -> None:
     """Refuse a tokenizer that cannot tokenize (transformers builds an empty one from a folder without
     tokenizer files)."""
@@ -107,13 +138,13 @@ def run(wctx: WorkerContext) -> None:
         with open(wctx.settings["chat_template"], encoding="utf-8") as f:
             chat_template = f.read()
     engine = wctx.settings["engine"]
-    context_length = engine.get("context_length") or int(
-        AutoConfig.from_pretrained(engine["model_path"]).get_text_config().max_position_embeddings
-    )
+    hf_config = AutoConfig.from_pretrained(engine["model_path"]).get_text_config()
+    context_length = engine.get("context_length") or int(hf_config.max_position_embeddings)
     vision = None
     if takes_images(engine["model_path"]):
         vision = VisionPrompts.start(engine["model_path"], wctx.settings.get("server") or {},
                                      wctx.settings.get("ipc") or {}, str(engine.get("device") or "cpu"))
+    grammars = Grammars(tokenizer, int(hf_config.vocab_size))
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.TOKENIZER)
     to_sched = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     decode = decoder(TokenizerInbox).decode
@@ -136,25 +167,32 @@ def run(wctx: WorkerContext) -> None:
                 if vision is not None:
                     vision.on_ack(msg)
                 continue
-            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched)
+            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars)
     finally:
         if vision is not None:
             vision.close()
 
 
 def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, chat_template: str | None,
-           context_length: int, wctx: WorkerContext, to_sched: Any) -> None:
+           context_length: int, wctx: WorkerContext, to_sched: Any, grammars: Grammars | None = None) -> None:
     """Tokenize one request and send its choices on, or tell main why it failed."""
     logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
     try:
         if vision is not None and vision.wants(req.prompt):
             ids, meta, built = tokenize_with_images(tokenizer, req, vision, chat_template)
+            if grammars is not None:
+                req = grammars.constrain(req, meta)
             out = generate_requests(req, ids, meta, context_length, lambda: vision.send(built))
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
         else:
             ids, meta = tokenize(tokenizer, req, chat_template)
+            if grammars is not None:
+                req = grammars.constrain(req, meta)
             out = generate_requests(req, ids, meta, context_length)
+    except GrammarError as e:
+        wctx.send_main(RequestFailed(req.group, "invalid_request", str(e), e.param))
+        return
     except InvalidSamplingParam as e:
         wctx.send_main(RequestFailed(req.group, "invalid_request", str(e), e.param))
         return

@@ -2,6 +2,7 @@
 
 Processing, on a float32 copy of the logits (the input is never modified):
 
+0. structured outputs: a grammar-constrained row's disallowed tokens are set to -inf (token_mask).
 1. logit bias; repetition penalty (prompt + output tokens); frequency / presence penalties
    (output tokens) — see penalties.py.
 2. Greedy rows (temperature 0): argmax of those logits (first index on ties); no noise.
@@ -33,10 +34,15 @@ from mllmd.engine.sampling.filters import select_candidates
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.penalties import apply_logit_bias, apply_penalties
 from mllmd.engine.sampling.states import SamplingBatchInfo
+from mllmd.structured.mask import apply_token_bitmask
 
 # Sorted prefix examined by the filters before a full sort (CPU); see filters.select_candidates.
 CPU_PREFIX_WIDTH = 256
 
+
+# (bitmask [R, W] int32, rows [R] int64), on the logits' device: row rows[i] may take only the tokens
+# whose bits are set in bitmask[i] (structured outputs; mllmd/structured/mask.py)
+TokenMask = tuple[torch.Tensor, torch.Tensor]
 
 # (buffer, rows): also write row i's token to buffer[rows[i]] (the engine's device-side token buffer)
 TokenSink = tuple[torch.Tensor, torch.Tensor]
@@ -115,15 +121,24 @@ class Sampler:
         logits: torch.Tensor,
         info: SamplingBatchInfo,
         token_sink: TokenSink | None = None,
+        token_mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """logits [B, V] of any float dtype -> SamplerOutput.
 
         token_sink (buffer, rows): also write row i's token to buffer[rows[i]] (the engine's
-        device-side token buffer); an all-greedy batch on CUDA does it in its argmax launch."""
+        device-side token buffer); an all-greedy batch on CUDA does it in its argmax launch.
+        token_mask: the grammar-constrained rows' allowed tokens; the logprobs stay those of the raw
+        logits (as without a grammar)."""
         if logits.dim() != 2 or tuple(logits.shape) != (info.batch_size, info.vocab_size):
             raise ValueError(
                 f"logits must be [{info.batch_size}, {info.vocab_size}], got {tuple(logits.shape)}"
             )
+        raw = logits
+        if token_mask is not None:
+            logits = logits.float()
+            if logits is raw:
+                logits = logits.clone()
+            apply_token_bitmask(logits, *token_mask)
         if info.num_sampled == 0 and not info.needs_processing:
             if use_triton(logits) and logits.stride(1) == 1:  # one launch, the sink included
                 tokens = greedy_argmax(logits, self._greedy_workspace(logits), sink=token_sink)
@@ -140,7 +155,7 @@ class Sampler:
         fill_token_sink(token_sink, tokens)
         if not info.want_logprobs:
             return SamplerOutput(tokens, None, None, None)
-        lp, top_ids, top_lp = compute_logprobs(logits, tokens, info.num_top_logprobs)
+        lp, top_ids, top_lp = compute_logprobs(raw, tokens, info.num_top_logprobs)
         return SamplerOutput(tokens, lp, top_ids, top_lp)
 
     def _greedy_workspace(self, logits: torch.Tensor) -> GreedyWorkspace:

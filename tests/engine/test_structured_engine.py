@@ -1,0 +1,121 @@
+"""Grammar-constrained decoding in the engine (offline LLM, tiny random-weight Qwen3 on the CPU).
+
+The token mask: greedy and sampled rows, overlap scheduling (the mask of step N+1 after step N's
+token) giving the tokens of the plain loop, constrained and free rows in one batch, a grammar that
+starts only after a reasoning block's end token, the logprobs of the raw logits, and the device-side
+bitmask application against xgrammar's own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mllmd import LLM, SamplingParams
+from mllmd.sampling_params import OutputConstraint, ToolSchema
+from mllmd.structured.mask import apply_token_bitmask, bitmask_words
+
+SCHEMA = json.dumps({"type": "object", "properties": {
+    "color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 20},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}, "required": ["color", "n", "tags"],
+    "additionalProperties": False})
+PROMPTS = ["hello", "tell me a story", "x"]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_tied: Path) -> LLM:
+    return LLM(str(qwen3_tied))
+
+
+def constrained(temperature: float, seed: int | None = None, **kw: object) -> SamplingParams:
+    return SamplingParams(max_tokens=64, temperature=temperature, seed=seed,
+                          constraint=OutputConstraint("json_schema", SCHEMA), **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_rows_write_valid_json(llm: LLM, temperature: float) -> None:
+    outs = llm.generate(PROMPTS, constrained(temperature, seed=7))
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        value = json.loads(o.text)
+        assert value["color"] in ("red", "green", "blue") and 0 <= value["n"] <= 20 and len(value["tags"]) <= 3
+
+
+def test_overlap_scheduling_gives_the_same_tokens(qwen3_tied: Path, llm: LLM) -> None:
+    """With overlap the engine takes step N's tokens before it samples step N+1 of a grammar row."""
+    overlapped = LLM(str(qwen3_tied), overlap_schedule=True)
+    assert overlapped.engine.overlap
+    params = [constrained(1.0, seed=s) for s in range(3)] + [SamplingParams(max_tokens=20, temperature=1.0, seed=9)]
+    prompts = PROMPTS + ["free"]
+    want = [o.token_ids for o in llm.generate(prompts, params)]
+    got = [o.token_ids for o in overlapped.generate(prompts, params)]
+    assert got == want
+
+
+def test_a_free_row_is_unchanged_beside_constrained_rows(llm: LLM) -> None:
+    free = SamplingParams(max_tokens=16, temperature=1.0, seed=3)
+    alone = llm.generate(["free"], free)[0].token_ids
+    mixed = llm.generate(["a", "free", "b"], [constrained(1.0, seed=1), free, constrained(0.0)])
+    assert mixed[1].token_ids == alone
+    assert json.loads(mixed[0].text) and json.loads(mixed[2].text)
+
+
+def test_the_grammar_starts_after_the_reasoning_end_token(llm: LLM) -> None:
+    """Until `starts_after_token` the row is free (a +100 bias makes it that token); then JSON."""
+    end = llm.tokenizer.encode(" banana", add_special_tokens=False)
+    assert len(end) == 1
+    c = OutputConstraint("json_schema", SCHEMA, starts_after_token=end[0])
+    out = llm.generate(["x"], SamplingParams(max_tokens=64, temperature=0, logit_bias={end[0]: 100.0},
+                                             constraint=c))[0]
+    assert out.token_ids[0] == end[0]
+    assert out.finish_reason == "stop"
+    json.loads(llm.tokenizer.decode(out.token_ids[1:-1] if out.token_ids[-1] in llm.engine.info.eos_token_ids
+                                    else out.token_ids[1:]))
+    # without the start token the same bias cannot reach the reply: the grammar masks it from the first step
+    now = llm.generate(["x"], SamplingParams(max_tokens=64, temperature=0, logit_bias={end[0]: 100.0},
+                                             constraint=OutputConstraint("json_schema", SCHEMA)))[0]
+    assert end[0] not in now.token_ids
+
+
+def test_tool_call_constraint_writes_one_call(llm: LLM) -> None:
+    params = json.dumps({"type": "object", "properties": {"q": {"enum": ["x", "y"]}}, "required": ["q"]})
+    c = OutputConstraint("tool_calls", tools=[ToolSchema("search", params)])
+    out = llm.generate(["call it"], SamplingParams(max_tokens=64, temperature=1.0, seed=2, constraint=c))[0]
+    assert out.finish_reason == "stop"
+    assert out.text.startswith("<tool_call>\n") and out.text.endswith("\n</tool_call>")
+    call = json.loads(out.text[len("<tool_call>\n"):-len("\n</tool_call>")])
+    assert call["name"] == "search" and call["arguments"]["q"] in ("x", "y")
+
+
+def test_logprobs_are_those_of_the_raw_logits(llm: LLM) -> None:
+    """The chosen token's logprob is the model's, not renormalised over the allowed tokens."""
+    out = llm.generate(["x"], SamplingParams(max_tokens=6, temperature=0, logprobs=True,
+                                             constraint=OutputConstraint("json_object")))[0]
+    assert out.text.startswith("{")
+    assert out.logprobs is not None and out.logprobs[0] < -1.0  # '{' is not a free model's likely first token
+
+
+def test_bad_constraints_are_refused_at_admission(llm: LLM) -> None:
+    from mllmd.engine.request import AdmissionError
+
+    with pytest.raises(AdmissionError, match="objec"):
+        llm.engine.add_request("bad", [1, 2, 3], SamplingParams(
+            max_tokens=4, constraint=OutputConstraint("json_schema", '{"type": "objec"}')))
+
+
+def test_bitmask_application_matches_xgrammar() -> None:
+    xgr = pytest.importorskip("xgrammar")
+    vocab = 1000
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randint(-(2**31), 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32, generator=gen)
+    logits = torch.randn(5, vocab, generator=gen)
+    rows = torch.tensor([4, 0, 2])
+    ours = logits.clone()
+    apply_token_bitmask(ours, full[rows], rows)  # ours: one bitmask row per constrained row
+    theirs = logits.clone()
+    xgr.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab, indices=rows.tolist())
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[[1, 3]], logits[[1, 3]])
