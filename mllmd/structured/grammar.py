@@ -22,8 +22,8 @@ from typing import Any
 from mllmd.sampling_params import OutputConstraint, ToolSchema
 
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
-DEFAULT_CACHE_BYTES = 256 << 20  # xgrammar's own cache of compiled grammars
-MAX_CACHED_GRAMMARS = 256  # ours, by constraint
+DEFAULT_CACHE_BYTES = 256 << 20  # compiled grammars kept (xgrammar's cache, and ours by constraint)
+MAX_CACHED_GRAMMARS = 256
 MAX_PARALLEL_CALLS = 4  # calls one constrained reply may hold with parallel_tool_calls
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: ")  # "[01:05:58] /project/cpp/x.cc:5082: "
@@ -58,6 +58,33 @@ def _call_schema(tool: ToolSchema) -> dict[str, Any]:
             "required": ["name", "arguments"]}
 
 
+def _xml_value(xgr: Any, schema: Any) -> Any:
+    """A parameter's text in Qwen3.5's XML calls: strings raw (an enum's values, or any text without
+    '<'), other types as JSON (the tool parser types them back by the schema)."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            values = [_literal(xgr, v) for v in enum]
+            return values[0] if len(values) == 1 else xgr.Grammar.union(*values)
+        return xgr.Grammar.from_regex(r"[^<]*")
+    return xgr.Grammar.from_json_schema(json.dumps(schema if isinstance(schema, dict) else {}), any_whitespace=False)
+
+
+def _xml_call(xgr: Any, tool: ToolSchema) -> Any:
+    """Qwen3.5's call body: `<function=f>\\n` then `<parameter=k>\\nvalue\\n</parameter>\\n` per
+    property in the schema's order (the optional ones may be left out), then `</function>`."""
+    schema = json.loads(tool.parameters)
+    props = schema.get("properties") or {} if isinstance(schema, dict) else {}
+    required = set(schema.get("required") or []) if isinstance(schema, dict) else set()
+    parts = [_literal(xgr, f"<function={tool.name}>\n")]
+    for key, sub in props.items():
+        param = xgr.Grammar.concat(_literal(xgr, f"<parameter={key}>\n"), _xml_value(xgr, sub),
+                                   _literal(xgr, "\n</parameter>\n"))
+        parts.append(param if key in required else xgr.Grammar.union(_literal(xgr, ""), param))
+    parts.append(_literal(xgr, "</function>"))
+    return xgr.Grammar.concat(*parts)
+
+
 def build_grammar(xgr: Any, c: OutputConstraint) -> Any:
     """The xgrammar Grammar of a constraint (compact JSON: no free whitespace for a model to ramble in)."""
     if c.kind == "json_object":
@@ -65,11 +92,12 @@ def build_grammar(xgr: Any, c: OutputConstraint) -> Any:
     if c.kind == "json_schema":
         assert c.schema is not None
         return xgr.Grammar.from_json_schema(c.schema, any_whitespace=False, strict_mode=c.strict)
-    if c.tool_format != "hermes":
-        raise GrammarError(f"enforcing tool_choice is not supported for the {c.tool_format} call format",
-                           "tool_choice")
-    schema = {"anyOf": [_call_schema(t) for t in c.tools]} if len(c.tools) > 1 else _call_schema(c.tools[0])
-    body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    if c.tool_format == "qwen3_xml":
+        bodies = [_xml_call(xgr, t) for t in c.tools]
+        body = bodies[0] if len(bodies) == 1 else xgr.Grammar.union(*bodies)
+    else:
+        schema = {"anyOf": [_call_schema(t) for t in c.tools]} if len(c.tools) > 1 else _call_schema(c.tools[0])
+        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     call = xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
     calls = call
     for _ in range(MAX_PARALLEL_CALLS - 1 if c.parallel else 0):
@@ -96,6 +124,8 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        self.cache_bytes = cache_bytes
+        self._cached_bytes = 0
 
     def compile(self, c: OutputConstraint) -> Any:
         """The CompiledGrammar of `c`; GrammarError naming the request field when it cannot be built."""
@@ -117,8 +147,11 @@ class GrammarCompiler:
             raise GrammarError(f"the {param} schema cannot be compiled: {_reason(e)}", param) from None
         with self._lock:
             self._cache[key] = compiled
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            self._cached_bytes += compiled.memory_size_bytes
+            while len(self._cache) > 1 and (len(self._cache) > MAX_CACHED_GRAMMARS
+                                             or self._cached_bytes > self.cache_bytes):
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= old.memory_size_bytes
         return compiled
 
     def _compile(self, c: OutputConstraint) -> Any:
