@@ -36,7 +36,6 @@ from mllmd.messages import (
 from mllmd.multimodal.chat import VisionPrompt, image_parts
 from mllmd.multimodal.image_io import ImageError
 from mllmd.multimodal.transport import TransportFull
-from mllmd.openai.reasoning_parser import THINK_END
 from mllmd.sampling_params import InvalidSamplingParam, choice_params, fit_max_tokens
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
 from mllmd.workers import ipc
@@ -44,6 +43,8 @@ from mllmd.workers.base import WorkerContext, worker_main
 from mllmd.workers.vision_prompts import VisionPrompts, takes_images
 
 logger = logging.getLogger("tokenizer")
+
+THINK_END = "</think>"  # a reasoning block's end (Qwen3, Qwen3.5); _meta looks for its start
 
 
 def _template_kwargs(prompt: ChatPrompt, chat_template: str | None) -> dict[str, Any]:

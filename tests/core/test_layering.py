@@ -29,11 +29,14 @@ ALLOWED: dict[str, set[str]] = {
     "mllmd.telemetry": set(),
     "mllmd.openai": set(),
     "mllmd.multimodal": set(),
+    "mllmd.structured": set(),  # grammars of structured outputs (xgrammar, imported lazily)
     "mllmd.models": {"mllmd_kernels", "mllmd.multimodal"},
-    "mllmd.engine": {"mllmd_kernels", "mllmd.models", "mllmd.multimodal"},
+    "mllmd.engine": {"mllmd_kernels", "mllmd.models", "mllmd.multimodal", "mllmd.structured"},
     "mllmd.entrypoints": {"mllmd_kernels", "mllmd.models", "mllmd.engine", "mllmd.detokenizer", "mllmd.multimodal"},
-    "mllmd.workers": {"mllmd_kernels", "mllmd.models", "mllmd.engine", "mllmd.detokenizer", "mllmd.multimodal"},
-    "mllmd.daemon": {"mllmd.workers", "mllmd.openai", "mllmd.telemetry", "mllmd.models", "mllmd.multimodal"},
+    "mllmd.workers": {"mllmd_kernels", "mllmd.models", "mllmd.engine", "mllmd.detokenizer", "mllmd.multimodal",
+                      "mllmd.structured"},
+    "mllmd.daemon": {"mllmd.workers", "mllmd.openai", "mllmd.telemetry", "mllmd.models", "mllmd.multimodal",
+                     "mllmd.structured"},
     "mllmd.demo": {"mllmd.testing"},
     "mllmd.cli": {"mllmd.daemon", "mllmd.demo"},
     "mllmd.ctl": {"mllmd.daemon"},  # reads the daemon's configuration to find its socket
