@@ -65,12 +65,14 @@ class ModelSlot:
         on_lost: Callable[[ModelSlot, str, str], None],
         chat_template: str | None = None,
         media: dict[str, Any] | None = None,
+        log_format: str = "text",
     ) -> None:
         """`media`: what the tokenizer worker needs for images ({"server": the image limits, "ipc": the
         transport section}); never the API keys."""
         self.engine = engine
         self.facts = facts
         self.served_name = served_name
+        self.aliases: tuple[str, ...] = (served_name,)  # every name it answers to, served_name first
         self.ipc_dir = make_ipc_dir()
         self.inbox = ipc.pull(zctx, self.ipc_dir, ipc.MAIN)
         self.rm = RequestManager(zctx, str(self.ipc_dir))
@@ -79,6 +81,7 @@ class ModelSlot:
             "tokenizer_path": engine.tokenizer_path or engine.model_path,
             "heartbeat_interval": policy.heartbeat_interval,
             "log_level": log_level,
+            "log_format": log_format,
             "chat_template": chat_template,
             **(media or {}),
         }
