@@ -2,7 +2,8 @@
 
 A request's hops and the message each one carries:
 
-    main -> tokenizer        TokenizeRequest (prompt, validated SamplingParams, the output-token budget)
+    main -> tokenizer        TokenizeRequest (prompt, validated SamplingParams, the output-token budget);
+                             TokenizeOnly (/tokenize, /detokenize), answered by TokenizeResult
     main -> scheduler        GenerateRequest (token-id prompts skip the tokenizer), AbortRequest, FlushCache
     tokenizer -> scheduler   GenerateRequest (one per choice; a vision-language prompt's images ride as
                              ImageInputs whose pixels wait in a TensorHandle)
@@ -142,6 +143,25 @@ class TokenizeRequest(_Message, frozen=True):
     budget: OutputBudget
     prompt_param: str = "messages"  # the request field named when the prompt is at fault
     t_submit: float | None = None  # main's time.perf_counter() at submission (MLLMD_STEP_TRACE)
+
+
+class TokenizeOnly(_Message, frozen=True):
+    """main -> tokenizer (/tokenize, /detokenize): tokenize `prompt` (a chat with or without the
+    generation prompt, or text), or, with `prompt` None, decode `ids`. Answered by a TokenizeResult."""
+
+    id: str
+    prompt: ChatPrompt | TextPrompt | None = None
+    ids: list[int] = []
+    add_generation_prompt: bool = True
+
+
+class TokenizeResult(_Message, frozen=True):
+    """tokenizer -> main: the ids (or text) of a TokenizeOnly, or why it failed (the client's fault)."""
+
+    id: str
+    ids: list[int] = []
+    text: str = ""
+    error: str | None = None
 
 
 class ImageInput(msgspec.Struct, frozen=True, array_like=True):
@@ -328,8 +348,9 @@ class TransportAck(_Message, frozen=True):
 
 
 # ---- what each socket receives ---------------------------------------------------------------------
-MainInbox = Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
-TokenizerInbox = TokenizeRequest | TransportAck
+MainInbox = (Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
+             | TokenizeResult)
+TokenizerInbox = TokenizeRequest | TransportAck | TokenizeOnly
 SchedulerInbox = GenerateRequest | AbortRequest | FlushCache
 DetokenizerInbox = RegisterRequest | TokenOutputs | ResetRequests
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,15 @@ from mllmd.daemon.admin import admin_routes
 from mllmd.daemon.cors import CORS
 from mllmd.daemon.http_common import any_bearer_matches, error_response, is_admin, parse_body, read_body
 from mllmd.daemon.ratelimit import RateLimitedLog
-from mllmd.messages import ChatPrompt, OutputBudget, Prompt, RequestFailed, TextPrompt, TokenPrompt
+from mllmd.messages import (
+    ChatPrompt,
+    OutputBudget,
+    Prompt,
+    RequestFailed,
+    TextPrompt,
+    TokenizeOnly,
+    TokenPrompt,
+)
 from mllmd.openai import protocol, serving
 from mllmd.openai import responses as R
 from mllmd.openai.errors import (
@@ -272,6 +281,54 @@ class Api:
             raise not_found(f"no request {rid!r} is in flight", "rid", "request_not_found")
         return JSONResponse({"aborted": aborted})
 
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's shape): {"model", "prompt"} or {"model", "messages",
+        "add_generation_prompt"} -> {"tokens", "count", "max_model_len"}: the ids a generation would see."""
+        self._auth(request)
+        body = await self._parse(request, _object_body)
+        self._check_model(_model_field(body))
+        add_gen = body.get("add_generation_prompt", True)
+        if not isinstance(add_gen, bool):
+            raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+        prompt: ChatPrompt | TextPrompt
+        if "messages" in body:
+            chat = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body}
+            req = protocol.parse_chat_request(chat, self.d.limits)
+            if req.image_urls:
+                raise bad_request("/tokenize does not take images", "messages")
+            prompt = ChatPrompt(req.messages, req.tools, req.chat_template_kwargs)
+        elif isinstance(body.get("prompt"), str):
+            prompt = TextPrompt(body["prompt"])
+        else:
+            raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
+        slot = self.d.serving_slot(1)
+        ids = (await self._tokenizer(slot, TokenizeOnly(_query_id(), prompt, [], add_gen))).ids
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": slot.context_length})
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's shape): {"model", "tokens"} -> {"prompt": text}."""
+        self._auth(request)
+        body = await self._parse(request, _object_body)
+        self._check_model(_model_field(body))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad_request("'tokens' must be a list of token ids (integers)", "tokens")
+        if len(tokens) > MAX_DETOKENIZE:
+            raise bad_request(f"'tokens' may hold at most {MAX_DETOKENIZE} ids", "tokens")
+        if any(not 0 <= t < 1 << 31 for t in tokens):
+            raise bad_request("'tokens' holds an id outside the vocabulary", "tokens")
+        slot = self.d.serving_slot(1)
+        text = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, tokens))).text
+        return JSONResponse({"prompt": text})
+
+    async def _tokenizer(self, slot: Any, msg: TokenizeOnly) -> Any:
+        result = await slot.tokenize_only(msg)
+        if result is None:
+            raise service_unavailable("the tokenizer worker did not answer; retry shortly")
+        if result.error is not None:
+            raise bad_request(result.error, "tokens" if msg.prompt is None else "prompt")
+        return result
+
     async def openapi(self, request: Request) -> Response:
         """The OpenAPI document of this API, with the configured bounds (for clients and fuzzers)."""
         self._auth(request)
@@ -329,6 +386,26 @@ async def _first_error(states: list[Any]) -> RequestFailed | None:
     return None
 
 
+MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize request (the body size bounds it too)
+
+
+def _object_body(value: Any, limits: Limits) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object")
+    return value
+
+
+def _model_field(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    return model
+
+
+def _query_id() -> str:
+    return secrets.token_hex(8)
+
+
 def _wrap(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
@@ -356,6 +433,8 @@ def build_app(daemon: Daemon) -> Starlette:
         Route("/abort_request", _wrap(api.abort_request), methods=["POST"]),
         Route("/metrics", _wrap(api.metrics), methods=["GET"]),
         Route("/openapi.json", _wrap(api.openapi), methods=["GET"]),
+        Route("/tokenize", _wrap(api.tokenize), methods=["POST"]),
+        Route("/detokenize", _wrap(api.detokenize), methods=["POST"]),
         *admin_routes(daemon),
     ]
 

@@ -231,3 +231,43 @@ def test_keepalive_comments_while_the_first_token_waits(d: Any, h: httpx.Client)
         os.kill(sched, signal.SIGCONT)
     assert beats >= 3
     assert rest[-1] == "data: [DONE]"
+
+
+# ---- 7: /tokenize and /detokenize ------------------------------------------------------------
+def test_tokenize_round_trip(h: httpx.Client, tokenizer: Any) -> None:
+    text = "The capital of France is Paris. 東京もいい。"
+    r = h.post("/tokenize", json={"model": ALIAS, "prompt": text})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert out["count"] == len(out["tokens"]) and out["max_model_len"] > 0
+    back = h.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+
+
+def test_tokenize_messages_matches_the_chat_prompt(h: httpx.Client, tokenizer: Any) -> None:
+    for add in (True, False):
+        r = h.post("/tokenize", json={"model": MODEL, "messages": MSG, "add_generation_prompt": add})
+        assert r.status_code == 200, r.text
+        want = tokenizer.apply_chat_template(MSG, add_generation_prompt=add, tokenize=False)
+        assert r.json()["tokens"] == tokenizer.encode(want, add_special_tokens=False)
+    usage = h.post(CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == h.post("/tokenize", json={"messages": MSG}).json()["count"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/tokenize", {"model": "nope", "prompt": "x"}),
+    ("/tokenize", {"prompt": 5}),
+    ("/tokenize", {}),
+    ("/tokenize", {"messages": []}),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": "yes"}),
+    ("/detokenize", {"tokens": [1, "2"]}),
+    ("/detokenize", {"tokens": [-1]}),
+    ("/detokenize", {"tokens": [10**9]}),
+    ("/detokenize", {"tokens": "hi"}),
+    ("/detokenize", [1, 2]),
+])
+def test_tokenize_bad_input(h: httpx.Client, path: str, body: Any) -> None:
+    r = h.post(path, json=body)
+    assert 400 <= r.status_code < 500
+    assert_openai_error(r, r.status_code)
