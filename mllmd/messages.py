@@ -324,6 +324,16 @@ class StateUsage(msgspec.Struct, frozen=True, array_like=True):
     bytes_per_slot: int
 
 
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """Phases of one finished request as the scheduler worker saw them, in seconds: waiting for
+    admission (arrival in the worker to the step that first scheduled it), prefill (that step to its
+    first output token) and decode (first token to finish)."""
+
+    queue: float
+    prefill: float
+    decode: float
+
+
 class EngineStats(_Message, frozen=True):
     running: int
     waiting: int
@@ -333,6 +343,7 @@ class EngineStats(_Message, frozen=True):
     cached_prompt_tokens: int
     preemptions: int
     states: StateUsage | None = None  # None: the model keeps no recurrent state
+    timings: list[RequestTiming] = []  # requests finished since the previous stats
 
 
 class ControlResult(_Message, frozen=True):

@@ -469,6 +469,7 @@ class Daemon:
         if isinstance(msg, EngineStats):
             if slot is self.active:
                 self.metrics.observe_engine_stats(msg)
+            self.metrics.observe_timings(msg.timings, slot.served_name)
         elif isinstance(msg, TextOutputs):
             for item in msg.items:
                 st = slot.rm.reqs.get(item.rid)

@@ -271,3 +271,37 @@ def test_tokenize_bad_input(h: httpx.Client, path: str, body: Any) -> None:
     r = h.post(path, json=body)
     assert 400 <= r.status_code < 500
     assert_openai_error(r, r.status_code)
+
+
+# ---- 12: metrics present from the start; the phase histograms observed ------------------------
+def metric_samples(h: httpx.Client) -> dict[str, float]:
+    out = {}
+    for line in h.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_every_documented_series_is_there_and_the_phases_are_observed(d: Any, h: httpx.Client) -> None:
+    m = metric_samples(h)
+    label = f'model_name="{MODEL}"'
+    for counter in ("mllmd_preemptions_total", "mllmd_prompt_tokens_total", "mllmd_generation_tokens_total",
+                    "mllmd_prefix_cache_queries_total", "mllmd_prefix_cache_hits_total"):
+        assert f"{counter}{{{label}}}" in m, counter
+    for reason in ("stop", "length"):
+        assert f'mllmd_request_success_total{{finished_reason="{reason}",{label}}}' in m or \
+            f'mllmd_request_success_total{{{label},finished_reason="{reason}"}}' in m
+    phases = ("mllmd_request_queue_time_seconds", "mllmd_request_prefill_time_seconds",
+              "mllmd_request_decode_time_seconds")
+    before = {p: m[f"{p}_count{{{label}}}"] for p in phases}
+    h.post(CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": 3, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while True:  # the scheduler reports timings with its periodic stats
+        m = metric_samples(h)
+        if all(m[f"{p}_count{{{label}}}"] > before[p] for p in phases) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    for p in phases:
+        assert m[f"{p}_count{{{label}}}"] > before[p], p
+        assert m[f"{p}_sum{{{label}}}"] >= 0
