@@ -305,3 +305,45 @@ def test_every_documented_series_is_there_and_the_phases_are_observed(d: Any, h:
     for p in phases:
         assert m[f"{p}_count{{{label}}}"] > before[p], p
         assert m[f"{p}_sum{{{label}}}"] >= 0
+
+
+# ---- 10: while the boot model loads ------------------------------------------------------------
+def test_requests_while_the_boot_model_loads_get_503_loading(daemon_factory: Any) -> None:
+    """The scheduler worker is held (SIGSTOP) as soon as it exists, so that the load cannot finish
+    while we look; it is let go at the end and the daemon becomes ready."""
+    d = daemon_factory(wait=False)
+    sched = d.worker_pid("scheduler", timeout=60)
+    os.kill(sched, signal.SIGSTOP)
+    try:
+        health = d.wait_health(503, timeout=60)
+        if health.get("state") != "loading":
+            pytest.skip(f"the daemon was {health.get('state')} before the scheduler could be held")
+        r = httpx.post(d.base_url + CHAT, json={"model": MODEL, "messages": MSG}, timeout=10)
+        err = assert_openai_error(r, 503)
+        assert "loading" in err["message"] and r.headers.get("retry-after")
+        r = httpx.post(d.base_url + CHAT, json={"messages": MSG}, timeout=10)
+        assert "loading" in assert_openai_error(r, 503)["message"]
+    finally:
+        os.kill(sched, signal.SIGCONT)
+    d.wait_health(200)
+
+
+def test_output_token_default_and_cap() -> None:
+    """server.default_max_tokens fills an unset max_tokens; server.max_tokens_cap lowers any."""
+    from types import SimpleNamespace
+
+    from mllmd.daemon.config import load_config
+    from mllmd.daemon.http_app import Api
+    from mllmd.messages import OutputBudget
+
+    def budget(requested: int | None, default: int | None, **cfg: Any) -> tuple[int | None, int | None]:
+        api = Api(SimpleNamespace(config=load_config("/dev/null", {f"server.{k}": v for k, v in cfg.items()})))  # type: ignore[arg-type]
+        b = api._budget(OutputBudget(requested, default))
+        return b.requested, b.default
+
+    assert budget(None, None) == (None, 4096)  # the documented default
+    assert budget(None, None, default_max_tokens=None) == (None, None)  # the rest of the context
+    assert budget(100, None) == (100, 4096)  # a client's max_tokens is kept
+    assert budget(None, 16) == (None, 16)  # /v1/completions keeps OpenAI's 16
+    assert budget(100, None, max_tokens_cap=50) == (50, 50)
+    assert budget(None, None, default_max_tokens=None, max_tokens_cap=50) == (None, 50)
