@@ -57,6 +57,7 @@ LIVE_KEYS = (
     "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
     "server.metrics_require_key", "model.models_dir", "logging.level",
     "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
+    "server.default_max_tokens", "server.max_tokens_cap", "server.sse_keepalive_interval",
 )
 
 
