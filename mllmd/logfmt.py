@@ -19,7 +19,8 @@ request_id: contextvars.ContextVar[str] = contextvars.ContextVar("mllmd_request_
 
 TEXT_FORMAT = "%(asctime)s {proc}[%(process)d] %(levelname)s %(name)s [%(request_id)s]: %(message)s"
 # LogRecord attributes that are not "extra" fields given by the caller.
-_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id"}
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "request_id",
+                                                                       "color_message"}  # uvicorn's ANSI copy
 
 
 class RequestIdFilter(logging.Filter):

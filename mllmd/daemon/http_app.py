@@ -121,7 +121,7 @@ class Api:
     async def _watch(self, request: Request, states: list[Any], work: Awaitable[Any],
                      timeout: float | None = None) -> Any:
         """Await `work`; if the client goes away first, abort its requests. With `timeout`, return
-        _PENDING once it has passed (the work goes on)."""
+        a _Pending holding it once that has passed (the work goes on)."""
         task = asyncio.ensure_future(work)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while True:
@@ -168,6 +168,8 @@ class Api:
                 yield R.sse({"error": {"message": "Internal server error.", "type": "server_error",
                                        "param": None, "code": 500}})
             finally:
+                if isinstance(first, _Pending):
+                    first.task.cancel()  # the client left during the keep-alives: nobody waits for it
                 for s in states:
                     await s.owner.abort(s.rid)
 
