@@ -122,6 +122,7 @@ def test_request_id_is_echoed_and_on_the_log_lines(d: Any, h: httpx.Client) -> N
     assert (a["method"], a["route"], a["status"]) == ("POST", CHAT, 200)
     assert a["completion_tokens"] == 2 and a["prompt_tokens"] > 0 and a["latency_ms"] >= 0
     assert a["level"] == "INFO"
+    assert "story" not in json.dumps(a) and KEYS[0] not in json.dumps(a)  # no bodies, no keys
     # the request's other log lines in the main process carry it too (mllmd.requests logs at DEBUG: the
     # access line is the one at INFO); nothing else claims it
     assert all(x["request_id"] == rid for x in log_records(d) if rid in json.dumps(x))
