@@ -2,7 +2,8 @@
 
 A request's hops and the message each one carries:
 
-    main -> tokenizer        TokenizeRequest (prompt, validated SamplingParams, the output-token budget)
+    main -> tokenizer        TokenizeRequest (prompt, validated SamplingParams, the output-token budget);
+                             TokenizeOnly (/tokenize, /detokenize), answered by TokenizeResult
     main -> scheduler        GenerateRequest (token-id prompts skip the tokenizer), AbortRequest, FlushCache
     tokenizer -> scheduler   GenerateRequest (one per choice; a vision-language prompt's images ride as
                              ImageInputs whose pixels wait in a TensorHandle)
@@ -142,6 +143,25 @@ class TokenizeRequest(_Message, frozen=True):
     budget: OutputBudget
     prompt_param: str = "messages"  # the request field named when the prompt is at fault
     t_submit: float | None = None  # main's time.perf_counter() at submission (MLLMD_STEP_TRACE)
+
+
+class TokenizeOnly(_Message, frozen=True):
+    """main -> tokenizer (/tokenize, /detokenize): tokenize `prompt` (a chat with or without the
+    generation prompt, or text), or, with `prompt` None, decode `ids`. Answered by a TokenizeResult."""
+
+    id: str
+    prompt: ChatPrompt | TextPrompt | None = None
+    ids: list[int] = []
+    add_generation_prompt: bool = True
+
+
+class TokenizeResult(_Message, frozen=True):
+    """tokenizer -> main: the ids (or text) of a TokenizeOnly, or why it failed (the client's fault)."""
+
+    id: str
+    ids: list[int] = []
+    text: str = ""
+    error: str | None = None
 
 
 class ImageInput(msgspec.Struct, frozen=True, array_like=True):
@@ -304,6 +324,16 @@ class StateUsage(msgspec.Struct, frozen=True, array_like=True):
     bytes_per_slot: int
 
 
+class RequestTiming(msgspec.Struct, frozen=True, array_like=True):
+    """Phases of one finished request as the scheduler worker saw them, in seconds: waiting for
+    admission (arrival in the worker to the step that first scheduled it), prefill (that step to its
+    first output token) and decode (first token to finish)."""
+
+    queue: float
+    prefill: float
+    decode: float
+
+
 class EngineStats(_Message, frozen=True):
     running: int
     waiting: int
@@ -313,6 +343,7 @@ class EngineStats(_Message, frozen=True):
     cached_prompt_tokens: int
     preemptions: int
     states: StateUsage | None = None  # None: the model keeps no recurrent state
+    timings: list[RequestTiming] = []  # requests finished since the previous stats
 
 
 class ControlResult(_Message, frozen=True):
@@ -328,8 +359,9 @@ class TransportAck(_Message, frozen=True):
 
 
 # ---- what each socket receives ---------------------------------------------------------------------
-MainInbox = Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
-TokenizerInbox = TokenizeRequest | TransportAck
+MainInbox = (Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
+             | TokenizeResult)
+TokenizerInbox = TokenizeRequest | TransportAck | TokenizeOnly
 SchedulerInbox = GenerateRequest | AbortRequest | FlushCache
 DetokenizerInbox = RegisterRequest | TokenOutputs | ResetRequests
 

@@ -59,7 +59,7 @@ class ServerSection:
     port: int = _opt(30000, "TCP port", low=1, high=65535)
     unix_socket: str = _opt("/run/mllmd/mllmd.sock", "Unix socket for local clients and the admin API (mode 0660, group mllmd); empty string disables")
     api_key: str | None = _opt(None, "API key (Bearer) required on the OpenAI and native routes; null: no key", secret=True)
-    api_key_file: str | None = _opt(None, "file whose first line is the API key (instead of api_key)")
+    api_key_file: str | None = _opt(None, "file of API keys, one per line (blank lines and lines starting with # ignored); instead of api_key; every key is accepted")
     admin_api_key: str | None = _opt(None, "key for /admin/* over TCP; null: admin API only on the Unix socket", secret=True)
     allow_unauthenticated_lan: bool = _opt(False, "allow a non-loopback host without an API key")
     metrics_require_key: bool = _opt(False, "require the API key on /metrics too; false (the default): Prometheus scrapes without one (/metrics holds counters, the served model's name and device telemetry, never paths, prompts or keys); set true when untrusted clients reach the TCP port")
@@ -74,6 +74,10 @@ class ServerSection:
     max_unix_connections: int = _opt(64, "most open connections on the Unix socket (local clients, mllmctl), counted apart from TCP so that no TCP flood locks the admin out", low=1)
     max_queued_requests: int = _opt(256, "most requests waiting for the scheduler; more: 503", low=1)
     shutdown_timeout: float = _opt(30.0, "seconds to let running requests finish on stop before aborting them", low=0)
+    cors_allow_origins: tuple[str, ...] = _opt([], "origins (scheme://host[:port]) whose browser pages may call the API (CORS); [\"*\"]: any; []: CORS off (no CORS headers)")
+    sse_keepalive_interval: float = _opt(15.0, "seconds between SSE comment lines (': keep-alive') while a stream waits for its first token (queue, prefill), so that proxies with idle timeouts keep the connection; 0 disables", low=0)
+    default_max_tokens: int | None = _opt(4096, "output-token limit of a request that gives no max_tokens (capped by what the context leaves); null: the rest of the context. 4096 leaves room for a thinking model's reasoning while a forgotten max_tokens cannot run for many minutes", low=1)
+    max_tokens_cap: int | None = _opt(None, "largest max_tokens any request gets (a larger one is lowered to it); null: only the context bounds it", low=1)
     reasoning_parser: str | None = _opt(None, "split thinking into reasoning_content: null | qwen3", choices=(None, "qwen3"))
     tool_call_parser: str | None = _opt(None, "parse tool calls into tool_calls: null | qwen3", choices=(None, "qwen3"))
     media_dirs: tuple[str, ...] = _opt([], "folders that local image paths (absolute paths, file:// URLs) may be read from; []: none (applies at the next model load)")
@@ -93,7 +97,7 @@ class ModelSection:
 
     path: str | None = _opt(None, "model folder (or a folder name under models_dir) loaded at boot; null: start with no model")
     chat_template: str | None = _opt(None, "Jinja chat template file used instead of the model's own; null: the model's (requests can never supply a template)")
-    served_model_name: str | None = _opt(None, "model id in the API; null: the model folder's name")
+    served_model_name: tuple[str, ...] | None = _opt(None, "model id in the API, or a list of aliases (the first is the primary id; requests may name any); null: the model folder's name")
     models_dir: tuple[str, ...] = _opt(["/var/lib/mllmd/models"], "folders that hold models (listed by mllmctl models; bare names resolve here)")
     quantization: str | None = _opt(None, "expected quantization: null (the checkpoint's) | w8a8 | w4a16; must match the checkpoint", choices=(None, "w8a8", "w4a16"))
 
@@ -197,6 +201,8 @@ class Key:
         if get_origin(self.hint) in (tuple, list):
             return str, False, True
         args = get_args(self.hint) or (self.hint,)
+        if any(get_origin(a) in (tuple, list) for a in args):  # a list or null
+            return str, type(None) in args, True
         base = next(a for a in args if a is not type(None))
         return base, type(None) in args, False
 
@@ -251,10 +257,12 @@ def check_value(key: Key, value: Any) -> Any:
         return None
     if is_list:
         if isinstance(value, str):
+            if not value and nullable:
+                raise ConfigError(key.dotted, "must not be empty (use null)")
             value = (value,)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
             raise ConfigError(key.dotted, f"must be a list of non-empty strings, got {value!r}")
-        return tuple(value)
+        return tuple(value) if value or not nullable else None
     if base is bool:
         ok, want = isinstance(value, bool), "a boolean"
     elif base is int:
@@ -306,19 +314,19 @@ class DaemonConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     config_file: str | None = field(default=None, compare=False)  # the YAML file read, if any
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)  # key -> origin
-    _file_api_key: str | None = field(default=None, init=False, repr=False, compare=False)
+    _file_api_keys: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         s = self.server
         if s.api_key is not None and s.api_key_file is not None:
             raise ConfigError("server.api_key_file", "set either server.api_key or server.api_key_file, not both")
         if s.api_key_file is not None:
-            object.__setattr__(self, "_file_api_key", _read_key_file(s.api_key_file))
+            object.__setattr__(self, "_file_api_keys", _read_key_file(s.api_key_file))
         if self.model.chat_template is not None:
             _check_template_file(self.model.chat_template)
         if not s.host:
             raise ConfigError("server.host", "must not be empty")
-        if s.admin_api_key is not None and s.admin_api_key == self.api_key:
+        if s.admin_api_key is not None and s.admin_api_key in self.api_keys:
             raise ConfigError("server.admin_api_key", "must differ from the API key")
         if not is_loopback_host(s.host) and self.api_key is None and not s.allow_unauthenticated_lan:
             raise ConfigError(
@@ -329,8 +337,14 @@ class DaemonConfig:
 
     @property
     def api_key(self) -> str | None:
-        """The API key: `server.api_key` or the first line of `server.api_key_file`."""
-        return self.server.api_key if self.server.api_key is not None else self._file_api_key
+        """The (first) API key: `server.api_key` or the first key of `server.api_key_file`."""
+        keys = self.api_keys
+        return keys[0] if keys else None
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """Every accepted API key: `server.api_key`, or the keys of `server.api_key_file`."""
+        return (self.server.api_key,) if self.server.api_key is not None else self._file_api_keys
 
     @property
     def admin_api_key(self) -> str | None:
@@ -383,13 +397,19 @@ class DaemonConfig:
         return self.engine.replace(model_path=self.resolve_model_path(os.fspath(path)))
 
     def served_model_name(self, model_path: str | None = None) -> str | None:
-        """The API model id: `model.served_model_name` for the boot model, else the folder's name."""
+        """The API model id: the first of `model.served_model_name` for the boot model, else the folder's name."""
+        names = self.served_model_names(model_path)
+        return names[0] if names else None
+
+    def served_model_names(self, model_path: str | None = None) -> tuple[str, ...]:
+        """Every id the model answers to: `model.served_model_name` (a list of aliases) for the boot
+        model, else the folder's name; () without a model."""
         path = model_path if model_path is not None else self.model.path
         if path is None:
-            return None
+            return ()
         if self.model.served_model_name is not None and (model_path is None or model_path == self.model.path):
             return self.model.served_model_name
-        return os.path.basename(os.path.normpath(os.fspath(path)))
+        return (os.path.basename(os.path.normpath(os.fspath(path))),)
 
     def check_quantization(self, detected: str | None) -> None:
         """Raise unless `model.quantization` is null or equals the checkpoint's scheme (`detected`)."""
@@ -398,15 +418,18 @@ class DaemonConfig:
             raise ConfigError("model.quantization", f"is {want!r} but the checkpoint is {detected or 'not quantized'}")
 
 
-def _read_key_file(path: str) -> str:
+def _read_key_file(path: str) -> tuple[str, ...]:
+    """The keys of an API key file: one per line; blank lines and `#` comments skipped. The keys are
+    never part of an error message."""
     try:
         with open(path, encoding="utf-8") as f:
-            line = f.readline().strip()
-    except OSError as e:
-        raise ConfigError("server.api_key_file", f"cannot read {path}: {e.strerror}") from None
-    if not line:
-        raise ConfigError("server.api_key_file", f"the first line of {path} is empty")
-    return line
+            lines = f.read(1 << 20).splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("server.api_key_file", f"cannot read {path}: {getattr(e, 'strerror', None) or 'not UTF-8'}") from None
+    keys = tuple(k for line in lines if (k := line.strip()) and not k.startswith("#"))
+    if not keys:
+        raise ConfigError("server.api_key_file", f"{path} holds no key (one per line; # starts a comment)")
+    return keys
 
 
 def _check_template_file(path: str) -> None:

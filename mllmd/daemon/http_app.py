@@ -10,18 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mllmd.daemon.access import RequestContext, request_info
 from mllmd.daemon.admin import admin_routes
-from mllmd.daemon.http_common import bearer_matches, error_response, is_admin, parse_body, read_body
+from mllmd.daemon.cors import CORS
+from mllmd.daemon.http_common import any_bearer_matches, error_response, is_admin, parse_body, read_body
 from mllmd.daemon.ratelimit import RateLimitedLog
-from mllmd.messages import ChatPrompt, Prompt, RequestFailed, TextPrompt, TokenPrompt
+from mllmd.messages import (
+    ChatPrompt,
+    OutputBudget,
+    Prompt,
+    RequestFailed,
+    TextPrompt,
+    TokenizeOnly,
+    TokenPrompt,
+)
 from mllmd.openai import protocol, serving
 from mllmd.openai import responses as R
 from mllmd.openai.errors import (
@@ -54,18 +67,23 @@ class Api:
 
     # ---- helpers -----------------------------------------------------------------------------
     def _auth(self, request: Request) -> None:
-        key = self.d.config.api_key
-        if not key:
+        keys = self.d.config.api_keys
+        if not keys:
             return
-        if not bearer_matches(request, key):
+        if not any_bearer_matches(request, keys):
             raise unauthorized("Missing or invalid API key: send 'Authorization: Bearer <key>'.")
 
-    def _check_model(self, model: str | None) -> None:
-        name = self.d.served_model_name
-        if name is None:
+    def _check_model(self, model: str | None) -> str:
+        """The name to answer with: the one the request asked for (any alias of the served model), or
+        the primary name when it named none. 503 while no model serves (saying so while one loads)."""
+        names = self.d.served_model_names
+        if not names:
+            if self.d.pending is not None:
+                raise service_unavailable("The model is still loading; retry shortly.", retry_after=5)
             raise service_unavailable("No model is loaded.")
-        if model is not None and model != name:
+        if model is not None and model not in names:
             raise model_not_found(model)
+        return model if model is not None else names[0]
 
     def _check_ready(self) -> None:
         reason = self.d.not_ready_reason()
@@ -102,11 +120,15 @@ class Api:
                 await s.owner.abort(s.rid)
             raise
 
-    async def _watch(self, request: Request, states: list[Any], work: Awaitable[Any]) -> Any:
-        """Await `work`; if the client goes away first, abort its requests."""
+    async def _watch(self, request: Request, states: list[Any], work: Awaitable[Any],
+                     timeout: float | None = None) -> Any:
+        """Await `work`; if the client goes away first, abort its requests. With `timeout`, return
+        a _Pending holding it once that has passed (the work goes on)."""
         task = asyncio.ensure_future(work)
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
+            done, _ = await asyncio.wait({task}, timeout=0.25 if deadline is None else
+                                         max(0.0, min(0.25, deadline - asyncio.get_running_loop().time())))
             if done:
                 return task.result()
             if await request.is_disconnected():
@@ -114,18 +136,33 @@ class Api:
                 for s in states:
                     await s.owner.abort(s.rid)
                 raise ClientDisconnect()
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                return _Pending(task)
 
     async def _stream(self, request: Request, states: list[Any], gen: AsyncIterator[bytes]) -> StreamingResponse:
         """Stream `gen` as SSE, once every choice has its first result: an error known before the
-        first token (prompt too long, no room for max_tokens, a lost worker) is an HTTP error."""
-        error = await self._watch(request, states, _first_error(states))
-        if error is not None:
+        first token (prompt too long, no room for max_tokens, a lost worker) is an HTTP error. A first
+        result slower than server.sse_keepalive_interval (a queue, a long prefill) starts the stream
+        anyway, with SSE comments every interval until it comes (then an error is an SSE event)."""
+        interval = self.d.config.server.sse_keepalive_interval
+        first = await self._watch(request, states, _first_error(states), interval if interval > 0 else None)
+        if isinstance(first, RequestFailed):
             for s in states:
                 await s.owner.abort(s.rid)
-            serving.raise_if_error(error)
+            serving.raise_if_error(first)
 
         async def body() -> AsyncIterator[bytes]:
             try:
+                if isinstance(first, _Pending):
+                    error = None
+                    async for beat in _keepalives(first.task, interval):
+                        if isinstance(beat, RequestFailed):
+                            error = beat
+                        else:
+                            yield beat
+                    if error is not None:
+                        yield serving.stream_error(error)
+                        return
                 async for chunk in gen:
                     yield chunk
             except Exception:  # the status line is gone: end the stream with an error event
@@ -133,19 +170,38 @@ class Api:
                 yield R.sse({"error": {"message": "Internal server error.", "type": "server_error",
                                        "param": None, "code": 500}})
             finally:
+                if isinstance(first, _Pending):
+                    first.task.cancel()  # the client left during the keep-alives: nobody waits for it
                 for s in states:
                     await s.owner.abort(s.rid)
 
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    async def _submit(self, prompt: Prompt, req: Any, n: int, prompt_param: str,
+    async def _submit(self, request: Request, prompt: Prompt, req: Any, n: int, prompt_param: str,
                       constraint: OutputConstraint | None = None) -> list[Any]:
         """Validate the request's sampling fields, then hand the prompt to the serving slot
         (`constraint`: the grammar of a structured reply, compiled by the tokenizer worker)."""
         params = req.sampling_params()
         params.constraint = constraint
         slot = self.d.serving_slot(n)
-        return await slot.rm.submit(prompt, params, req.output_budget(), n, prompt_param, slot.context_length)
+        states = await slot.rm.submit(prompt, params, self._budget(req.output_budget()), n, prompt_param,
+                                      slot.context_length)
+        info = request_info(request.scope)
+        if info is not None:  # the access log reads their token counts
+            info.states = states
+        return states
+
+    def _budget(self, budget: OutputBudget) -> OutputBudget:
+        """The client's budget with the server's output-token default (server.default_max_tokens, for a
+        request that gives none) and cap (server.max_tokens_cap, for every request)."""
+        srv = self.d.config.server
+        default = budget.default if budget.default is not None else srv.default_max_tokens
+        requested = budget.requested
+        cap = srv.max_tokens_cap
+        if cap is not None:
+            default = cap if default is None else min(default, cap)
+            requested = None if requested is None else min(requested, cap)
+        return OutputBudget(requested, default, budget.param)
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -158,28 +214,27 @@ class Api:
 
     async def models(self, request: Request) -> Response:
         self._auth(request)
-        names = [self.d.served_model_name] if self.d.served_model_name else []
-        return JSONResponse(R.models_list(names, self.d.started_at))
+        return JSONResponse(R.models_list(list(self.d.served_model_names), self.d.started_at))
 
     async def model(self, request: Request) -> Response:
         """GET /v1/models/{model}: the served model's card, or OpenAI's 404 model_not_found."""
         self._auth(request)
         name = request.path_params["model"]
-        if not self.d.served_model_name or name != self.d.served_model_name:
+        if name not in self.d.served_model_names:
             raise model_not_found(name)
         return JSONResponse(R.model_card(name, self.d.started_at))
 
     async def chat(self, request: Request) -> Response:
         self._auth(request)
         req = await self._parse(request, protocol.parse_chat_request)
-        self._check_model(req.model)
+        model = self._check_model(req.model)
         self._check_ready()
         if req.image_urls:
             self._check_images(len(req.image_urls))
         prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
         constraint = req.output_constraint(tool_call_format(self.d.config.server.tool_call_parser))
-        states = await self._submit(prompt, req, req.n, "messages", constraint)
-        opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,
+        states = await self._submit(request, prompt, req, req.n, "messages", constraint)
+        opts = serving.ChatOptions(model, self.d.config.server.reasoning_parser,
                                    self.d.config.server.tool_call_parser)
         if req.stream:
             return await self._respond(request, states, serving.chat_stream(states, req, opts), None)
@@ -188,14 +243,13 @@ class Api:
     async def completions(self, request: Request) -> Response:
         self._auth(request)
         req = await self._parse(request, protocol.parse_completion_request)
-        self._check_model(req.model)
+        model = self._check_model(req.model)
         self._check_ready()
         if len(req.prompts) != 1:
             raise bad_request("only one prompt per request is supported", "prompt")
         prompt = req.prompts[0]
-        states = await self._submit(_prompt(prompt), req, req.n, "prompt")
+        states = await self._submit(request, _prompt(prompt), req, req.n, "prompt")
         echo = [prompt if isinstance(prompt, str) else ""] * req.n
-        model = self.d.served_model_name or ""
         if req.stream:
             return await self._respond(request, states, serving.completion_stream(states, req, model, echo), None)
         return await self._respond(request, states, None, serving.completion_full(states, req, model, echo))
@@ -207,7 +261,7 @@ class Api:
         self._check_ready()
         if req.batch_size != 1:
             raise bad_request("batched /generate is not supported; send one prompt per request", "text")
-        states = await self._submit(_prompt(req.prompts[0]), req, 1, "prompt")
+        states = await self._submit(request, _prompt(req.prompts[0]), req, 1, "prompt")
         if req.stream:
             return await self._respond(request, states, serving.generate_stream(states), None)
         return await self._respond(request, states, None, _first_of(serving.generate_full(states)))
@@ -235,6 +289,54 @@ class Api:
             raise not_found(f"no request {rid!r} is in flight", "rid", "request_not_found")
         return JSONResponse({"aborted": aborted})
 
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's shape): {"model", "prompt"} or {"model", "messages",
+        "add_generation_prompt"} -> {"tokens", "count", "max_model_len"}: the ids a generation would see."""
+        self._auth(request)
+        body = await self._parse(request, _object_body)
+        self._check_model(_model_field(body))
+        add_gen = body.get("add_generation_prompt", True)
+        if not isinstance(add_gen, bool):
+            raise bad_request("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+        prompt: ChatPrompt | TextPrompt
+        if "messages" in body:
+            chat = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body}
+            req = protocol.parse_chat_request(chat, self.d.limits)
+            if req.image_urls:
+                raise bad_request("/tokenize does not take images", "messages")
+            prompt = ChatPrompt(req.messages, req.tools, req.chat_template_kwargs)
+        elif isinstance(body.get("prompt"), str):
+            prompt = TextPrompt(body["prompt"])
+        else:
+            raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
+        slot = self.d.serving_slot(1)
+        ids = (await self._tokenizer(slot, TokenizeOnly(_query_id(), prompt, [], add_gen))).ids
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": slot.context_length})
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's shape): {"model", "tokens"} -> {"prompt": text}."""
+        self._auth(request)
+        body = await self._parse(request, _object_body)
+        self._check_model(_model_field(body))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise bad_request("'tokens' must be a list of token ids (integers)", "tokens")
+        if len(tokens) > MAX_DETOKENIZE:
+            raise bad_request(f"'tokens' may hold at most {MAX_DETOKENIZE} ids", "tokens")
+        if any(not 0 <= t < 1 << 31 for t in tokens):
+            raise bad_request("'tokens' holds an id outside the vocabulary", "tokens")
+        slot = self.d.serving_slot(1)
+        text = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, tokens))).text
+        return JSONResponse({"prompt": text})
+
+    async def _tokenizer(self, slot: Any, msg: TokenizeOnly) -> Any:
+        result = await slot.tokenize_only(msg)
+        if result is None:
+            raise service_unavailable("the tokenizer worker did not answer; retry shortly")
+        if result.error is not None:
+            raise bad_request(result.error, "tokens" if msg.prompt is None else "prompt")
+        return result
+
     async def openapi(self, request: Request) -> Response:
         """The OpenAPI document of this API, with the configured bounds (for clients and fuzzers)."""
         self._auth(request)
@@ -255,6 +357,29 @@ def _prompt(prompt: str | list[int]) -> Prompt:
     return TextPrompt(prompt) if isinstance(prompt, str) else TokenPrompt(prompt)
 
 
+KEEPALIVE = b": keep-alive\n\n"
+
+
+@dataclass
+class _Pending:
+    """The first results had not all come when the keep-alive interval passed."""
+
+    task: asyncio.Future[RequestFailed | None]
+
+
+async def _keepalives(task: asyncio.Future[RequestFailed | None], interval: float) -> AsyncIterator[Any]:
+    """An SSE comment every `interval` seconds until `task` (the first results) is done; then its
+    error, if any."""
+    while True:
+        yield KEEPALIVE
+        done, _ = await asyncio.wait({task}, timeout=interval)
+        if done:
+            error = task.result()
+            if error is not None:
+                yield error
+            return
+
+
 async def _first_error(states: list[Any]) -> RequestFailed | None:
     """Wait for each state's first item (left at the head of its queue); the first error, if any."""
     for s in states:
@@ -267,6 +392,26 @@ async def _first_error(states: list[Any]) -> RequestFailed | None:
         if isinstance(item, RequestFailed):
             return item
     return None
+
+
+MAX_DETOKENIZE = 1 << 20  # token ids in one /detokenize request (the body size bounds it too)
+
+
+def _object_body(value: Any, limits: Limits) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise bad_request("the request body must be a JSON object")
+    return value
+
+
+def _model_field(body: dict[str, Any]) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", "model")
+    return model
+
+
+def _query_id() -> str:
+    return secrets.token_hex(8)
 
 
 def _wrap(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -296,6 +441,8 @@ def build_app(daemon: Daemon) -> Starlette:
         Route("/abort_request", _wrap(api.abort_request), methods=["POST"]),
         Route("/metrics", _wrap(api.metrics), methods=["GET"]),
         Route("/openapi.json", _wrap(api.openapi), methods=["GET"]),
+        Route("/tokenize", _wrap(api.tokenize), methods=["POST"]),
+        Route("/detokenize", _wrap(api.detokenize), methods=["POST"]),
         *admin_routes(daemon),
     ]
 
@@ -307,4 +454,6 @@ def build_app(daemon: Daemon) -> Starlette:
         return JSONResponse({"error": {"message": f"method {request.method} not allowed on {request.url.path}",
                                        "type": "invalid_request_error", "param": None, "code": None}}, status_code=405)
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method})
+    # outermost first: every response (a CORS preflight too) carries the request id and is logged
+    middleware = [Middleware(RequestContext), Middleware(CORS, origins=daemon.config.server.cors_allow_origins)]
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method}, middleware=middleware)

@@ -28,6 +28,17 @@ def bearer_matches(request: Request, key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+def any_bearer_matches(request: Request, keys: tuple[str, ...]) -> bool:
+    """`Authorization: Bearer <key>` for any of `keys`: each compared in constant time, all of them
+    every time (no early exit: the time taken tells nothing about which key was close)."""
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(given, key.encode())
+    return scheme.lower() == "bearer" and matched
+
+
 def error_response(e: APIError) -> JSONResponse:
     headers = {}
     retry = getattr(e, "retry_after", None)

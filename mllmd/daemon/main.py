@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mllmd import __version__, knobs
+from mllmd import __version__, knobs, logfmt
 from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
 from mllmd.daemon.http_server import ConnectionGuard, connection_caps, protocol_class, raise_nofile_limit
@@ -57,6 +57,7 @@ LIVE_KEYS = (
     "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
     "server.metrics_require_key", "model.models_dir", "logging.level",
     "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
+    "server.default_max_tokens", "server.max_tokens_cap", "server.sse_keepalive_interval",
 )
 
 
@@ -176,6 +177,13 @@ class Daemon:
     @property
     def served_model_name(self) -> str | None:
         return self.active.served_name if self.active is not None else None
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name the active model answers to (its primary name first); () without one."""
+        if self.active is None:
+            return ()
+        return self.active.aliases
 
     @property
     def state(self) -> str:
@@ -318,7 +326,10 @@ class Daemon:
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
                          self._on_slot_message, self._on_worker_lost, self.config.model.chat_template,
-                         self._media_settings())
+                         self._media_settings(), self.config.logging.format)
+        names = self.config.served_model_names(path)
+        if names and names[0] == name:
+            slot.aliases = names
         slot.overrides = overrides  # type: ignore[attr-defined]
         slot.strict_record = strict_record  # type: ignore[attr-defined]
         slot.fallback = fallback  # type: ignore[attr-defined]
@@ -459,6 +470,7 @@ class Daemon:
         if isinstance(msg, EngineStats):
             if slot is self.active:
                 self.metrics.observe_engine_stats(msg)
+            self.metrics.observe_timings(msg.timings, slot.served_name)
         elif isinstance(msg, TextOutputs):
             for item in msg.items:
                 st = slot.rm.reqs.get(item.rid)
@@ -651,6 +663,7 @@ class Daemon:
         grace = 1  # seconds uvicorn waits for open responses once told to exit
         # (the ignore: uvicorn annotates timeout_keep_alive int; it goes to loop.call_later, a float works)
         uconfig = uvicorn.Config(app, http=protocol_class(self.connections), lifespan="off", log_level="warning",
+                                 log_config=None,  # uvicorn's loggers go through ours (logging.format)
                                  access_log=False, timeout_graceful_shutdown=grace, backlog=caps.backlog,
                                  timeout_keep_alive=srv.keepalive_timeout)  # type: ignore[arg-type]
 
@@ -710,7 +723,7 @@ def _loop_exception(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) ->
 
 
 def _setup_logging(config: DaemonConfig) -> None:
-    logging.basicConfig(level=config.logging.level, format="%(asctime)s mllmd[%(process)d] %(levelname)s %(name)s: %(message)s")
+    logfmt.configure(config.logging.level, config.logging.format, "mllmd")
 
 
 def run(config: DaemonConfig) -> int:

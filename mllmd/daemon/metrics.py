@@ -24,8 +24,16 @@ decode step 10-200 ms:
 - ``mllmd_time_to_first_token_seconds``: 5 ms .. 5 min (``TTFT_BUCKETS``)
 - ``mllmd_inter_token_latency_seconds``: 2.5 ms .. 10 s (``ITL_BUCKETS``)
 - ``mllmd_e2e_request_latency_seconds``: 50 ms .. 1 h (``E2E_BUCKETS``)
-- ``mllmd_request_queue_time_seconds``: 1 ms .. 10 min (``QUEUE_BUCKETS``)
+- ``mllmd_request_queue_time_seconds``: 1 ms .. 10 min (``QUEUE_BUCKETS``), arrival in the scheduler
+  worker to the step that first scheduled the request
+- ``mllmd_request_prefill_time_seconds``: that step to the first output token (``TTFT_BUCKETS``)
+- ``mllmd_request_decode_time_seconds``: first token to finish (``E2E_BUCKETS``)
 - ``mllmd_model_load_seconds``: 0.5 s .. 1 h (``LOAD_BUCKETS``)
+
+The three phase histograms come from the scheduler worker (``EngineStats.timings``, per finished
+request). Every serving metric labelled by model is present from the moment a model is set: its
+counters at 0 (``mllmd_request_success_total`` for the reasons ``stop`` and ``length``), its
+histograms empty, so that rate() and absent() queries work before the first request.
 
 Device telemetry comes from the newest :class:`~mllmd.telemetry.collector.TelemetrySnapshot` given
 to :meth:`Metrics.set_telemetry`, through a custom collector that yields only what the snapshot
@@ -55,7 +63,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mllmd.messages import EngineStats, KVUsage, TextOutput
+from mllmd.messages import EngineStats, KVUsage, RequestTiming, TextOutput
 
 if TYPE_CHECKING:
     from mllmd.telemetry.collector import TelemetrySnapshot
@@ -84,6 +92,7 @@ MODEL = ("model_name",)
 # Cumulative scheduler counters (EngineStats field) -> counter attribute of Metrics.
 ENGINE_COUNTERS = {"preemptions": "preemptions"}
 MAX_TRACKED_REQUESTS = 16384
+FINISH_REASONS = ("stop", "length")  # the mllmd_request_success_total series present from the start
 
 
 @dataclass
@@ -200,6 +209,10 @@ class Metrics:
         self.itl = Histogram("mllmd_inter_token_latency_seconds", "Time between output tokens", MODEL, buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("mllmd_e2e_request_latency_seconds", "Request latency, arrival to finish", MODEL, buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("mllmd_request_queue_time_seconds", "Time waiting for the scheduler", MODEL, buckets=QUEUE_BUCKETS, registry=r)
+        self.prefill_time = Histogram("mllmd_request_prefill_time_seconds", "Time from admission to the first token",
+                                      MODEL, buckets=TTFT_BUCKETS, registry=r)
+        self.decode_time = Histogram("mllmd_request_decode_time_seconds", "Time from the first token to finish",
+                                     MODEL, buckets=E2E_BUCKETS, registry=r)
         self.model_load = Histogram("mllmd_model_load_seconds", "Model load time, start to ready", MODEL, buckets=LOAD_BUCKETS, registry=r)
         self._telemetry = _TelemetryExport()
         r.register(self._telemetry)
@@ -218,6 +231,17 @@ class Metrics:
             self._clear_model_locked()
             self.model_name = name
             self.model_info.labels(name, architecture or "unknown", dtype or "unknown", quantization or "none").set(1)
+            self._zero_series(name)
+
+    def _zero_series(self, name: str) -> None:
+        """Create the model's labelled series (counters at 0, empty histograms), so that they are there
+        before the first request."""
+        for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+                       self.preemptions, self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time,
+                       self.decode_time):
+            metric.labels(name)
+        for reason in FINISH_REASONS:
+            self.request_success.labels(name, reason)
 
     def clear_model(self) -> None:
         """No model: drop `mllmd_model_info` and the serving gauges (counters keep their totals)."""
@@ -335,6 +359,17 @@ class Metrics:
         """Time one request waited before the scheduler admitted it."""
         if seconds >= 0:
             self.queue_time.labels(model_name or self.model_name or "").observe(seconds)
+
+    def observe_timings(self, timings: Sequence[RequestTiming], model_name: str | None = None) -> None:
+        """Queue, prefill and decode time of requests the scheduler worker finished."""
+        if not timings:
+            return
+        name = model_name or self.model_name or ""
+        queue, prefill, decode = self.queue_time.labels(name), self.prefill_time.labels(name), self.decode_time.labels(name)
+        for t in timings:
+            for hist, value in ((queue, t.queue), (prefill, t.prefill), (decode, t.decode)):
+                if value >= 0 and math.isfinite(value):
+                    hist.observe(value)
 
     def on_worker_restart(self, worker: str) -> None:
         """A worker was restarted."""

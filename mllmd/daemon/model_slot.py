@@ -30,9 +30,12 @@ from mllmd.messages import (
     MainInbox,
     RequestFailed,
     TextOutputs,
+    TokenizeOnly,
+    TokenizeResult,
     WorkerFatal,
     WorkerReady,
     decoder,
+    encode,
 )
 from mllmd.workers import ipc
 
@@ -65,12 +68,14 @@ class ModelSlot:
         on_lost: Callable[[ModelSlot, str, str], None],
         chat_template: str | None = None,
         media: dict[str, Any] | None = None,
+        log_format: str = "text",
     ) -> None:
         """`media`: what the tokenizer worker needs for images ({"server": the image limits, "ipc": the
         transport section}); never the API keys."""
         self.engine = engine
         self.facts = facts
         self.served_name = served_name
+        self.aliases: tuple[str, ...] = (served_name,)  # every name it answers to, served_name first
         self.ipc_dir = make_ipc_dir()
         self.inbox = ipc.pull(zctx, self.ipc_dir, ipc.MAIN)
         self.rm = RequestManager(zctx, str(self.ipc_dir))
@@ -79,6 +84,7 @@ class ModelSlot:
             "tokenizer_path": engine.tokenizer_path or engine.model_path,
             "heartbeat_interval": policy.heartbeat_interval,
             "log_level": log_level,
+            "log_format": log_format,
             "chat_template": chat_template,
             **(media or {}),
         }
@@ -88,6 +94,7 @@ class ModelSlot:
         self.load_started = time.monotonic()
         self.load_seconds: float | None = None
         self._task: asyncio.Task[None] | None = None
+        self._tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -168,6 +175,18 @@ class ModelSlot:
             except Exception:
                 _errors.exception("recv", "a message from the workers could not be handled")
 
+    async def tokenize_only(self, msg: TokenizeOnly, timeout: float = 30.0) -> TokenizeResult | None:
+        """Ask the tokenizer worker (/tokenize, /detokenize); None if it did not answer in `timeout` s."""
+        fut: asyncio.Future[TokenizeResult] = asyncio.get_running_loop().create_future()
+        self._tokenize_waiters[msg.id] = fut
+        try:
+            await self.rm.to_tokenizer.send(encode(msg))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self._tokenize_waiters.pop(msg.id, None)
+
     async def _handle(self, msg: Any) -> None:
         self._on_message(self, msg)  # first: metrics read the request state before delivery drops it
         if isinstance(msg, (Heartbeat, WorkerReady, WorkerFatal)):
@@ -176,6 +195,10 @@ class ModelSlot:
                 self.load_seconds = time.monotonic() - self.load_started
         elif isinstance(msg, EngineStats):
             self.engine_stats = msg
+        elif isinstance(msg, TokenizeResult):
+            fut = self._tokenize_waiters.get(msg.id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
         elif isinstance(msg, (TextOutputs, RequestFailed)):
             for rid in self.rm.deliver(msg):
                 await self.rm.send_abort(rid)

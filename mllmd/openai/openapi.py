@@ -204,6 +204,10 @@ def openapi_document(limits: L.Limits = L.DEFAULT_LIMITS, max_request_bytes: int
             "/v1/completions": {"post": _op("Text completion", "CompletionRequest", stream=True,
                                             errors=(400, 401, 404, 408, 413, 431, 503))},
             "/generate": {"post": _op("Native generation (SGLang-style)", "GenerateRequest", stream=True)},
+            "/tokenize": {"post": _op("Token ids of a prompt or chat, as a generation builds them (vLLM's shape: "
+                                      "{model, prompt} or {model, messages, add_generation_prompt} -> "
+                                      "{tokens, count, max_model_len})", "Object")},
+            "/detokenize": {"post": _op("The text of token ids (vLLM's shape: {model, tokens} -> {prompt})", "Object")},
             "/abort_request": {"post": _op("Abort a request by id (admin only: the Unix socket or the admin key; "
                                            "a client aborts its own request by closing its connection)",
                                            "AbortRequest", errors=(400, 401, 403, 404, 408, 413))},

@@ -14,6 +14,7 @@ from typing import Any
 
 import zmq
 
+from mllmd import logfmt
 from mllmd.messages import Heartbeat, WorkerFatal, WorkerReady, encode
 from mllmd.workers import ipc
 
@@ -76,9 +77,7 @@ def worker_main(name: str, body: Callable[[WorkerContext], None]) -> None:
     args = ap.parse_args()
     with open(args.settings) as f:
         settings = json.load(f)
-    logging.basicConfig(
-        level=settings.get("log_level", "INFO"), format=f"%(asctime)s mllmd-{name}[%(process)d] %(levelname)s %(message)s"
-    )
+    logfmt.configure(settings.get("log_level", "INFO"), settings.get("log_format", "text"), f"mllmd-{name}")
     wctx = WorkerContext(name, args.ipc_dir, settings)
     signal.signal(signal.SIGTERM, lambda *_: wctx.stop())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides when we stop

@@ -24,6 +24,7 @@ from mllmd.messages import (
     KVUsage,
     RegisterRequest,
     RequestFailed,
+    RequestTiming,
     ResetRequests,
     SchedulerInbox,
     StateUsage,
@@ -57,7 +58,51 @@ def _malloc_trim() -> Any:
     return lambda: trim(0)
 
 
-def _engine_stats(engine: Any) -> EngineStats:
+MAX_TIMINGS = 4096  # per stats message; beyond it the oldest are dropped (never unbounded)
+
+
+class RequestClock:
+    """When each request arrived in this worker, was first scheduled and gave its first token, so
+    that main can observe queue, prefill and decode time (EngineStats.timings). Seen from outside the
+    engine, between steps: a request found admitted after a step was scheduled at that step's start."""
+
+    def __init__(self) -> None:
+        from mllmd.engine.request import ReqStatus  # the engine is imported by run(), not at module import
+
+        self.WAITING = ReqStatus.WAITING
+        self.waiting: dict[str, float] = {}  # rid -> arrival
+        self.admitted: dict[str, tuple[float, float]] = {}  # rid -> (arrival, admission)
+        self.first: dict[str, tuple[float, float, float]] = {}  # rid -> (arrival, admission, first token)
+        self.done: list[RequestTiming] = []
+
+    def received(self, rid: str, now: float) -> None:
+        self.waiting[rid] = now
+
+    def after_step(self, engine: Any, outputs: list[Any], step_start: float, now: float) -> None:
+        if self.waiting:
+            for rid in [r for r in self.waiting if (q := engine.reqs.get(r)) is None or q.status is not self.WAITING]:
+                self.admitted[rid] = (self.waiting.pop(rid), step_start)
+        for o in outputs:
+            if o.new_token_ids and o.rid in self.admitted:
+                self.first[o.rid] = (*self.admitted.pop(o.rid), now)
+            if o.finished:
+                t = self.first.pop(o.rid, None)
+                self.admitted.pop(o.rid, None)
+                if t is not None:
+                    self.done.append(RequestTiming(t[1] - t[0], t[2] - t[1], now - t[2]))
+        if len(self.done) > MAX_TIMINGS:
+            del self.done[: len(self.done) - MAX_TIMINGS]
+
+    def take(self, engine: Any) -> list[RequestTiming]:
+        """The finished requests' timings since the last call; aborted requests are forgotten."""
+        for table in (self.admitted, self.first):
+            for rid in [r for r in table if r not in engine.reqs]:
+                del table[rid]
+        out, self.done = self.done, []
+        return out
+
+
+def _engine_stats(engine: Any, timings: list[RequestTiming] | None = None) -> EngineStats:
     s = engine.scheduler.stats
     return EngineStats(
         running=len(engine.scheduler.running),
@@ -68,6 +113,7 @@ def _engine_stats(engine: Any) -> EngineStats:
         cached_prompt_tokens=s.cached_prompt_tokens,
         preemptions=s.preemptions,
         states=StateUsage(**states) if (states := engine.state_usage()) is not None else None,
+        timings=timings or [],
     )
 
 
@@ -127,7 +173,7 @@ def _images(msg: GenerateRequest, receiver: Any, device: Any) -> list[Any]:
 
 
 def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: WorkerContext,
-           to_detok: zmq.Socket[Any], receiver: Any = None) -> None:
+           to_detok: zmq.Socket[Any], receiver: Any = None, clock: RequestClock | None = None) -> None:
     from mllmd.engine.request import AdmissionError
 
     logger.debug("%s", type(msg).__name__)
@@ -142,6 +188,8 @@ def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: 
         except AdmissionError as e:
             wctx.send_main(RequestFailed(msg.rid, "invalid_request", str(e), e.param))
             return
+        if clock is not None:
+            clock.received(msg.rid, time.monotonic())
         p = msg.params
         to_detok.send(encode(RegisterRequest(msg.rid, msg.input_ids, p.stop, p.skip_special_tokens, msg.meta)))
     elif isinstance(msg, AbortRequest):
@@ -185,6 +233,7 @@ def run(wctx: WorkerContext) -> None:
     decode = decoder(SchedulerInbox).decode
     wctx.count_requests = lambda: len(engine.reqs)
     last_stats = 0.0
+    clock = RequestClock()
     trim = _malloc_trim()
     last_work, trimmed = time.monotonic(), True
     while not wctx.stopping:
@@ -202,11 +251,13 @@ def run(wctx: WorkerContext) -> None:
                 continue
             if trace is not None and isinstance(msg, GenerateRequest):
                 trace.received(msg)
-            handle(msg, engine, wctx, to_detok, receiver)
+            handle(msg, engine, wctx, to_detok, receiver, clock)
             timeout = 0
         t1 = time.perf_counter()
+        step_start = time.monotonic()
         outputs = engine.step()
         t2 = time.perf_counter()
+        clock.after_step(engine, outputs, step_start, time.monotonic())
         if outputs:
             to_detok.send(encode(TokenOutputs(outputs)))
         if receiver is not None:
@@ -225,7 +276,7 @@ def run(wctx: WorkerContext) -> None:
             trim()  # once per idle period
             trimmed = True
         if now - last_stats > STATS_INTERVAL:
-            wctx.send_main(_engine_stats(engine))
+            wctx.send_main(_engine_stats(engine, clock.take(engine)))
             last_stats = now
 
 

@@ -26,7 +26,9 @@ from mllmd.messages import (
     PromptMeta,
     RequestFailed,
     TextPrompt,
+    TokenizeOnly,
     TokenizeRequest,
+    TokenizeResult,
     TokenizerInbox,
     TransportAck,
     decoder,
@@ -120,6 +122,29 @@ class Grammars:
         return msgspec.structs.replace(req, params=params)
 
 
+def tokenize_only(tokenizer: Any, msg: TokenizeOnly, chat_template: str | None = None) -> TokenizeResult:
+    """/tokenize and /detokenize: the ids of a prompt (as a generation would build it), or the text of ids."""
+    try:
+        prompt = msg.prompt
+        if prompt is None:
+            vocab = len(tokenizer)
+            bad = next((t for t in msg.ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                return TokenizeResult(msg.id, error=f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+            return TokenizeResult(msg.id, text=tokenizer.decode(msg.ids))
+        if isinstance(prompt, ChatPrompt):
+            if image_parts(prompt.messages):
+                return TokenizeResult(msg.id, error="/tokenize does not take images")
+            text = tokenizer.apply_chat_template(prompt.messages, tokenize=False,
+                                                 add_generation_prompt=msg.add_generation_prompt,
+                                                 **_template_kwargs(prompt, chat_template))
+        else:
+            text = prompt.text
+        return TokenizeResult(msg.id, ids=tokenizer.encode(text, add_special_tokens=False))
+    except Exception as e:  # a template or tokenizer error is the request's fault
+        return TokenizeResult(msg.id, error=f"could not tokenize: {e}")
+
+
 def check_tokenizer(tokenizer: Any, path: str) -> None:
     """Refuse a tokenizer that cannot tokenize (transformers builds an empty one from a folder without
     tokenizer files)."""
@@ -157,7 +182,7 @@ def run(wctx: WorkerContext) -> None:
                 continue
             data = inbox.recv()
             try:
-                msg: TokenizeRequest | TransportAck = decode(data)
+                msg: TokenizeRequest | TransportAck | TokenizeOnly = decode(data)
             except Exception as e:  # main's bug, not a reason to drop every request: fail this one
                 logger.error("cannot decode a request: %s", e)
                 group = request_id_of(data)
@@ -167,6 +192,9 @@ def run(wctx: WorkerContext) -> None:
             if isinstance(msg, TransportAck):
                 if vision is not None:
                     vision.on_ack(msg)
+                continue
+            if isinstance(msg, TokenizeOnly):
+                wctx.send_main(tokenize_only(tokenizer, msg, chat_template))
                 continue
             handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars)
     finally:

@@ -307,13 +307,22 @@ def test_key_conflicts(tmp_path: Path) -> None:
 
 
 def test_api_key_file(tmp_path: Path) -> None:
-    key_file = write(tmp_path, "  s3cr3t-from-file  \nsecond line\n", "key")
+    key_file = write(tmp_path, "# keys of the LAN clients\n  s3cr3t-from-file  \n\n  # old one below\nsecond-key\n", "key")
     cfg = load(args=["--server.api_key_file", str(key_file)])
     assert cfg.api_key == "s3cr3t-from-file" and cfg.server.api_key is None
+    assert cfg.api_keys == ("s3cr3t-from-file", "second-key")  # one per line, comments and blanks skipped
     with pytest.raises(DaemonConfigError, match="server.api_key_file: cannot read"):
         load(args=["--server.api_key_file", str(tmp_path / "missing")])
-    with pytest.raises(DaemonConfigError, match="server.api_key_file: the first line"):
-        load(args=["--server.api_key_file", str(write(tmp_path, "\n", "empty"))])
+    with pytest.raises(DaemonConfigError, match="server.api_key_file: .* holds no key") as err:
+        load(args=["--server.api_key_file", str(write(tmp_path, "\n# only a comment\n", "empty"))])
+    assert "comment\n" not in str(err.value)
+
+
+def test_served_model_name_aliases() -> None:
+    cfg = load(args=["--model.path", "/m/Qwen3-8B", "--model.served_model_name", "[qwen3, gpt-4o-mini]"])
+    assert cfg.served_model_names() == ("qwen3", "gpt-4o-mini") and cfg.served_model_name() == "qwen3"
+    assert load(args=["--model.path", "/m/Qwen3-8B", "--model.served_model_name", "one"]).served_model_names() == ("one",)
+    assert load(args=["--model.path", "/m/Qwen3-8B"]).served_model_names() == ("Qwen3-8B",)
 
 
 def test_redacted(tmp_path: Path) -> None:

@@ -241,7 +241,8 @@ def test_on_output_observes_finished_requests() -> None:
     base = {"rid": "r1", "prompt_tokens": 12, "cached_tokens": 8}
     m.on_output("r1", output(**base, completion_tokens=1), arrival=100.0, now=100.3)
     m.on_output("r1", output(**base, completion_tokens=2), arrival=100.0, now=100.35)
-    assert "mllmd_request_success_total" not in samples_names(m)
+    # present from the start (at 0), counted once the request has finished
+    assert get(m, "mllmd_request_success_total", finished_reason="length", **MODEL) == 0
     m.on_output("r1", output(**base, completion_tokens=3, finished=True, finish_reason="length"),
                 arrival=100.0, now=100.4)
     assert get(m, "mllmd_request_success_total", finished_reason="length", **MODEL) == 1
@@ -297,3 +298,19 @@ def test_main_process_modules_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def test_series_exist_from_the_start_and_timings_are_observed() -> None:
+    from mllmd.messages import RequestTiming
+
+    m = loaded()
+    for name in ("mllmd_preemptions_total", "mllmd_prompt_tokens_total", "mllmd_generation_tokens_total",
+                 "mllmd_prefix_cache_queries_total", "mllmd_prefix_cache_hits_total"):
+        assert get(m, name, **MODEL) == 0, name
+    assert get(m, "mllmd_request_success_total", finished_reason="stop", **MODEL) == 0
+    assert get(m, "mllmd_request_queue_time_seconds_count", **MODEL) == 0
+    m.observe_timings([RequestTiming(0.25, 0.5, 2.0), RequestTiming(-1.0, 0.1, 0.2)])
+    assert get(m, "mllmd_request_queue_time_seconds_count", **MODEL) == 1  # a negative time is skipped
+    assert get(m, "mllmd_request_queue_time_seconds_sum", **MODEL) == pytest.approx(0.25)
+    assert get(m, "mllmd_request_prefill_time_seconds_sum", **MODEL) == pytest.approx(0.6)
+    assert get(m, "mllmd_request_decode_time_seconds_count", **MODEL) == 2
