@@ -173,8 +173,9 @@ class Api:
             self._check_images(len(req.image_urls))
         prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
         states = await self._submit(prompt, req, req.n, "messages")
-        opts = serving.ChatOptions(self.d.served_model_name or "", self.d.config.server.reasoning_parser,
-                                   self.d.config.server.tool_call_parser)
+        srv, slot = self.d.config.server, self.d.active
+        parsers = slot.chat_parsers(srv.reasoning_parser, srv.tool_call_parser) if slot is not None else (None, None)
+        opts = serving.ChatOptions(self.d.served_model_name or "", *parsers)
         if req.stream:
             return await self._respond(request, states, serving.chat_stream(states, req, opts), None)
         return await self._respond(request, states, None, serving.chat_full(states, req, opts))
