@@ -30,7 +30,8 @@ from mllmd.openai.protocol import (
 )
 from mllmd.sampling_params import SamplingParams
 
-ALLOWED_EXTRAS = {"reasoning_content"}  # our one documented extension (vLLM/SGLang do the same)
+# our one documented extension, under both names clients read (SGLang/DeepSeek; vLLM/Ollama)
+ALLOWED_EXTRAS = {"reasoning_content", "reasoning"}
 
 
 def extra_fields(m: BaseModel, path: str = "$") -> list[str]:
@@ -103,10 +104,11 @@ def test_chat_completion_validates():
     assert lp[2].bytes == [0xE4]
     assert m.choices[1].message.tool_calls[0].function.name == "f"
     assert m.choices[1].finish_reason == "tool_calls"
-    assert m.choices[2].message.model_extra == {"reasoning_content": "thinking"}
+    assert m.choices[2].message.model_extra == {"reasoning_content": "thinking", "reasoning": "thinking"}
     assert m.usage.total_tokens == 15 and m.usage.prompt_tokens_details.cached_tokens == 4
     assert m.usage.completion_tokens_details.reasoning_tokens == 2
     assert "reasoning_content" not in body["choices"][0]["message"]
+    assert "reasoning" not in body["choices"][0]["message"]
 
 
 def test_chat_stream_chunks_validate():
@@ -151,6 +153,9 @@ def test_chat_stream_chunks_validate():
     for chunk in (role, content, thinking, tool, finish, final):
         m = check(ChatCompletionChunk, chunk)
         assert m.object == "chat.completion.chunk" and m.id == cid
+    assert thinking["choices"][0]["delta"] == {"reasoning_content": "hm", "reasoning": "hm"}
+    delta = ChatCompletionChunk.model_validate(thinking).choices[0].delta
+    assert delta.model_extra == {"reasoning_content": "hm", "reasoning": "hm"}
     with pytest.raises(ValueError):
         R.chat_chunk_choice(0, {}, "abort")
 

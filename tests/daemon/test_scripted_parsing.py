@@ -85,6 +85,7 @@ def test_scripted_non_streaming(client: Any, tokenizer: Any) -> None:
         r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
         c = r.choices[0]
         reasoning = (c.message.model_extra or {}).get("reasoning_content")
+        assert (c.message.model_extra or {}).get("reasoning") == reasoning  # both names, same text
         calls = [{"id": t.id, "type": t.type, "name": t.function.name, "arguments": t.function.arguments}
                  for t in c.message.tool_calls or []]
         seen.add(_check(reasoning, c.message.content, calls, c.finish_reason, r.usage.completion_tokens, tokenizer))
@@ -109,6 +110,7 @@ def test_scripted_streaming(client: Any, tokenizer: Any) -> None:
                 continue
             delta = ch.choices[0].delta
             extra = delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")  # both names, same text
             if extra.get("reasoning_content"):
                 reasoning.append(extra["reasoning_content"])
             if delta.content:
