@@ -3,7 +3,8 @@
 The daemon runs with MLLMD_TESTING_SCRIPT (see mllmd/testing/scripted.py): the scheduler's sampler
 emits the scripts below in turn (request k gets script k mod 3), then EOS. Each response is matched
 to its script by its reasoning text, so the tests do not depend on the order requests arrive in;
-sending three requests in a row covers every script.
+sending three requests in a row covers every script. The daemon runs with the default configuration:
+the parsers are chosen from the model (`auto`), nothing is configured.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def scripted(tiny_model: Path) -> Any:
     d = short_tmpdir()
     script = d / "script.json"
     script.write_text(json.dumps(SCRIPTS))
-    daemon = start_daemon(tiny_model, "--server.reasoning_parser", "qwen3", "--server.tool_call_parser", "qwen3",
-                          env={"MLLMD_TESTING_SCRIPT": str(script)})
+    # no parser options: a Qwen3 model gets the qwen3 reasoning and tool-call parsers by default (auto)
+    daemon = start_daemon(tiny_model, env={"MLLMD_TESTING_SCRIPT": str(script)})
     yield daemon
     stop_and_check(daemon)
 
@@ -174,3 +175,30 @@ def test_scripted_completions_are_raw(scripted: Any) -> None:
             assert text in SCRIPTS
             seen.add(text)
     assert seen == set(SCRIPTS)
+
+
+def test_thinking_is_split_by_default(scripted: Any) -> None:
+    """With no configuration, a Qwen3 model's thinking comes back as reasoning_content and reasoning
+    (the same text), apart from the content, streamed and not, over plain HTTP (no SDK in between)."""
+    want = {r: w for r, (_, w, calls) in EXPECTED.items() if not calls}  # the answer script
+    with scripted.http(timeout=60) as http:
+        full = stream = None
+        for _ in range(len(SCRIPTS)):  # one of each three requests gets the answer script
+            msg = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}).json()
+            msg = msg["choices"][0]["message"]
+            if msg.get("reasoning_content") in want:
+                full = msg
+        for _ in range(len(SCRIPTS)):
+            body = http.post("/v1/chat/completions",
+                             json={"model": MODEL, "messages": MESSAGES, "stream": True}).text
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in body.splitlines()
+                      if line.startswith("data: {") and '"choices":[{' in line]
+            assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+            text = "".join(d.get("reasoning_content") or "" for d in deltas)
+            if text in want:
+                stream = (text, "".join(d.get("content") or "" for d in deltas))
+    assert full is not None and stream is not None
+    reasoning = full["reasoning_content"]
+    assert full["reasoning"] == reasoning and full["content"] == want[reasoning]
+    assert "<think>" not in full["content"] and "</think>" not in full["content"]
+    assert stream == (reasoning, want[reasoning])
