@@ -392,6 +392,34 @@ def test_chat_messages_normalised():
     assert parse_chat_request({"messages": USER, "tools": req.tools}).tool_choice == "auto"
 
 
+@pytest.mark.parametrize(("effort", "kwargs", "want"), [
+    ("none", None, {"enable_thinking": False}),
+    ("minimal", None, {"enable_thinking": False}),
+    ("low", None, {}),
+    ("medium", None, {}),
+    ("high", None, {}),
+    (None, None, {}),
+    ("none", {"x": 1}, {"x": 1, "enable_thinking": False}),
+    ("none", {"enable_thinking": True}, {"enable_thinking": True}),  # the explicit template variable wins
+    ("high", {"enable_thinking": False}, {"enable_thinking": False}),
+])
+def test_reasoning_effort_sets_enable_thinking(effort: str | None, kwargs: dict[str, Any] | None,
+                                               want: dict[str, Any]) -> None:
+    body: dict[str, Any] = {"messages": USER, "reasoning_effort": effort}
+    if kwargs is not None:
+        body["chat_template_kwargs"] = kwargs
+    assert parse_chat_request(body).chat_template_kwargs == want
+
+
+@pytest.mark.parametrize("effort", ["max", "", "NONE", 1, True])
+def test_reasoning_effort_unknown_is_a_400_naming_the_values(effort: Any) -> None:
+    with pytest.raises(APIError) as e:
+        parse_chat_request({"messages": USER, "reasoning_effort": effort})
+    assert e.value.status == 400 and e.value.param == "reasoning_effort"
+    if isinstance(effort, str):
+        assert "none, minimal, low, medium, high" in e.value.message
+
+
 def test_completion_parsing():
     req = parse_completion_request({"model": "m", "prompt": "Once"})
     assert req.prompts == ["Once"]

@@ -202,3 +202,26 @@ def test_thinking_is_split_by_default(scripted: Any) -> None:
     assert full["reasoning"] == reasoning and full["content"] == want[reasoning]
     assert "<think>" not in full["content"] and "</think>" not in full["content"]
     assert stream == (reasoning, want[reasoning])
+
+
+def test_reasoning_effort_none_turns_thinking_off(client: Any, tokenizer: Any) -> None:
+    """reasoning_effort none / minimal render the prompt as enable_thinking=False does (Qwen3's empty
+    think block); low / medium / high leave it as the template has it; an unknown value is a 400."""
+    import openai
+
+    def prompt_tokens(**kw: Any) -> int:
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, **kw)
+        return int(r.usage.prompt_tokens)
+
+    def rendered(**kw: Any) -> int:
+        text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kw)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    off, on = rendered(enable_thinking=False), rendered()
+    assert off != on
+    assert prompt_tokens(reasoning_effort="none") == prompt_tokens(reasoning_effort="minimal") == off
+    assert prompt_tokens(reasoning_effort="high") == prompt_tokens(reasoning_effort="low") == on
+    assert prompt_tokens(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == on
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, reasoning_effort="max")  # type: ignore[arg-type]
+    assert "reasoning_effort" in str(e.value)
