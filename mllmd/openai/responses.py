@@ -238,10 +238,12 @@ def chat_role_chunk(
 
 
 def chat_finish_chunk(
-    id: str, model: str, created: int, index: int, finish_reason: str, include_usage: bool = False
+    id: str, model: str, created: int, index: int, finish_reason: str, include_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The last chunk of a choice: an empty delta and its finish_reason."""
-    choice = chat_chunk_choice(index, {}, finish_reason)
+    """The last chunk of a choice: an empty delta and its finish_reason (and the logprobs of final tokens
+    that have no text, such as the end-of-turn token)."""
+    choice = chat_chunk_choice(index, {}, finish_reason, logprobs)
     return chat_chunk(id, model, created, [choice], include_usage=include_usage)
 
 
