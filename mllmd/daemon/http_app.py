@@ -232,10 +232,11 @@ class Api:
         if req.image_urls:
             self._check_images(len(req.image_urls))
         prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
-        constraint = req.output_constraint(tool_call_format(self.d.config.server.tool_call_parser))
+        srv, slot = self.d.config.server, self.d.active
+        parsers = slot.chat_parsers(srv.reasoning_parser, srv.tool_call_parser) if slot is not None else (None, None)
+        constraint = req.output_constraint(tool_call_format(parsers[1]))
         states = await self._submit(request, prompt, req, req.n, "messages", constraint)
-        opts = serving.ChatOptions(model, self.d.config.server.reasoning_parser,
-                                   self.d.config.server.tool_call_parser)
+        opts = serving.ChatOptions(model, *parsers)
         if req.stream:
             return await self._respond(request, states, serving.chat_stream(states, req, opts), None)
         return await self._respond(request, states, None, serving.chat_full(states, req, opts))

@@ -37,6 +37,7 @@ from mllmd.messages import (
     decoder,
     encode,
 )
+from mllmd.openai.parser_choice import choose_parsers
 from mllmd.workers import ipc
 
 logger = logging.getLogger("mllmd.slot")
@@ -95,6 +96,8 @@ class ModelSlot:
         self.load_seconds: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._tokenize_waiters: dict[str, asyncio.Future[TokenizeResult]] = {}
+        self.chat_template = chat_template
+        self._parsers: dict[tuple[str | None, str | None], tuple[str | None, str | None]] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -137,6 +140,15 @@ class ModelSlot:
         """The context length the tokenizer worker checks prompts against (from its ready notice)."""
         h = self.supervisor.workers.get(ipc.TOKENIZER)
         return h.ready_info.context_length if h is not None and h.ready_info is not None else None
+
+    def chat_parsers(self, reasoning: str | None, tools: str | None) -> tuple[str | None, str | None]:
+        """(reasoning parser, tool-call parser) for `server.reasoning_parser` / `tool_call_parser`; `auto`
+        reads them off this model's architecture and chat template, once (the files do not change under it)."""
+        key = (reasoning, tools)
+        if key not in self._parsers:
+            self._parsers[key] = choose_parsers(reasoning, tools, self.facts.architecture,
+                                                self.engine.tokenizer_path or self.engine.model_path, self.chat_template)
+        return self._parsers[key]
 
     def describe(self) -> dict[str, Any]:
         info = self.info or WorkerReady(ipc.SCHEDULER, 0)

@@ -57,10 +57,11 @@ UNSUPPORTED_CHAT_FIELDS: dict[str, str] = {
     "functions": "the deprecated 'functions' field is not supported; use 'tools'",
     "function_call": "the deprecated 'function_call' field is not supported; use 'tool_choice'",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": (
-        'is not supported; to turn Qwen3 thinking off send chat_template_kwargs {"enable_thinking": false}'
-    ),
 }
+# reasoning_effort -> the template's enable_thinking (Qwen3 thinks or not; it has no degrees of effort):
+# none / minimal turn thinking off, low / medium / high leave the template's default alone
+REASONING_EFFORTS: dict[str, bool | None] = {"none": False, "minimal": False, "low": None, "medium": None,
+                                             "high": None}
 UNSUPPORTED_COMPLETION_FIELDS: dict[str, str] = {
     "suffix": "(insertion after the completion) is not supported",
 }
@@ -586,9 +587,10 @@ def _read_stream(o: _Obj) -> tuple[bool, bool]:
 def _read_template_kwargs(o: _Obj) -> dict[str, Any]:
     """chat_template_kwargs: template variables only (the template itself comes from the model or the
     administrator's model.chat_template, never from a request)."""
+    effort = _read_reasoning_effort(o)
     ctk = o.get_obj("chat_template_kwargs")
     if ctk is None:
-        return {}
+        return {} if effort is None else {"enable_thinking": effort}
     check_count(ctk.d, ctk.path, MAX_TEMPLATE_KWARGS, "entries")
     for key in ctk.d:
         if key in RESERVED_TEMPLATE_KWARGS:
@@ -601,7 +603,21 @@ def _read_template_kwargs(o: _Obj) -> dict[str, Any]:
                               f"characters (got {_show(key)})", ctk.path)
     if ctk.raw("enable_thinking") is not None:
         ctk.get_bool("enable_thinking", True)
-    return dict(check_free_json(ctk.d, ctk.path))
+    kwargs = dict(check_free_json(ctk.d, ctk.path))
+    if effort is not None and "enable_thinking" not in kwargs:  # the explicit template variable wins
+        kwargs["enable_thinking"] = effort
+    return kwargs
+
+
+def _read_reasoning_effort(o: _Obj) -> bool | None:
+    """`reasoning_effort` as the enable_thinking it implies (False for none / minimal); None when absent or
+    when it leaves thinking as the template has it (low / medium / high); a 400 naming the allowed values."""
+    effort = o.get_str("reasoning_effort")
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
+        raise o.err("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)} (got {_show(effort)})")
+    return REASONING_EFFORTS[effort]
 
 
 def parse_chat_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:

@@ -190,9 +190,17 @@ class ReasoningParser:
         return (r1 + r2 if s.saw_reasoning else None), c1 + c2
 
 
+class Qwen35ReasoningParser(ReasoningParser):
+    """Qwen3.5: the same `<think>` rules. Its 4B/9B templates think by default, ending the prompt inside
+    an open `<think>` (`starts_in_reasoning`, from `prompt_ends_in_reasoning`), and it may open a
+    `<tool_call>` without closing the reasoning (`ends_at_tool_call`, for requests with tools)."""
+
+    name: ClassVar[str] = "qwen3_5"
+
+
 _REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": ReasoningParser,
-    "qwen3_5": ReasoningParser,
+    "qwen3_5": Qwen35ReasoningParser,
 }
 
 

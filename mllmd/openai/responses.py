@@ -7,8 +7,10 @@ A chat stream is, per choice: a role chunk (``chat_role_chunk``), content chunks
 ``"usage": null``, as OpenAI does. Completions streams work the same way with
 ``completion_chunk``.
 
-``reasoning_content`` (Qwen3 thinking) is the one field outside OpenAI's schema; it appears only
-when not None, as in vLLM and SGLang.
+The thinking text (Qwen3 ``<think>``) is the one thing outside OpenAI's schema: it goes into the
+message and the delta twice, as ``reasoning_content`` (SGLang, DeepSeek, older vLLM) and ``reasoning``
+(vLLM >= 0.10, Ollama, OpenRouter), both only when not None; the ``openai`` client keeps both as extra
+fields (``model_extra``).
 """
 
 from __future__ import annotations
@@ -146,8 +148,9 @@ def chat_message(
     msg: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if tool_calls:
         msg["tool_calls"] = list(tool_calls)
-    if reasoning_content is not None:
+    if reasoning_content is not None:  # both names: SGLang / DeepSeek clients read one, vLLM / Ollama the other
         msg["reasoning_content"] = reasoning_content
+        msg["reasoning"] = reasoning_content
     return msg
 
 
@@ -188,6 +191,7 @@ def chat_delta(
         delta["content"] = content
     if reasoning_content is not None:
         delta["reasoning_content"] = reasoning_content
+        delta["reasoning"] = reasoning_content
     if tool_calls:
         delta["tool_calls"] = list(tool_calls)
     return delta
@@ -234,10 +238,12 @@ def chat_role_chunk(
 
 
 def chat_finish_chunk(
-    id: str, model: str, created: int, index: int, finish_reason: str, include_usage: bool = False
+    id: str, model: str, created: int, index: int, finish_reason: str, include_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The last chunk of a choice: an empty delta and its finish_reason."""
-    choice = chat_chunk_choice(index, {}, finish_reason)
+    """The last chunk of a choice: an empty delta and its finish_reason (and the logprobs of final tokens
+    that have no text, such as the end-of-turn token)."""
+    choice = chat_chunk_choice(index, {}, finish_reason, logprobs)
     return chat_chunk(id, model, created, [choice], include_usage=include_usage)
 
 

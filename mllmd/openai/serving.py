@@ -164,6 +164,9 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
     reasoners: list[Any] = [None] * len(states)
     tools: list[Any] = [None] * len(states)
     use_tools = bool(opts.tool_call_parser and req.tools and req.tool_choice != "none")
+    # logprobs of tokens whose text has not been sent yet (held back by a parser or the detokenizer): they
+    # go out with the next chunk of the choice, so that a chunk's text and its logprobs are the same tokens
+    pending: list[list[TokenLogprob]] = [[] for _ in states]
     for i in range(len(states)):
         yield R.sse(R.chat_role_chunk(cid, opts.model, created, i, inc))
     try:
@@ -179,22 +182,27 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
             if tools[i] is None and use_tools:
                 tools[i] = get_tool_parser(opts.tool_call_parser)(tools=req.tools).stream()
             accumulate(c, item)
-            text = item.text
             final = item.finished
-            for delta in _chat_deltas(text, final, reasoners[i], tools[i]):
-                yield R.sse(R.chat_chunk(cid, opts.model, created, [R.chat_chunk_choice(i, delta)], include_usage=inc))
             if req.logprobs and item.logprobs:
-                lp = R.chat_logprobs(_token_logprobs(item.logprobs, req.top_logprobs))
-                yield R.sse(R.chat_chunk(cid, opts.model, created,
-                                         [R.chat_chunk_choice(i, R.chat_delta(""), None, lp)], include_usage=inc))
+                pending[i] += item.logprobs
+            for delta in _chat_deltas(item.text, final, reasoners[i], tools[i]):
+                lp, pending[i] = _chat_logprobs_of(pending[i], req.top_logprobs), []
+                yield R.sse(R.chat_chunk(cid, opts.model, created, [R.chat_chunk_choice(i, delta, None, lp)],
+                                         include_usage=inc))
             if final:
                 reason = "tool_calls" if tools[i] is not None and tools[i].tool_calls else _finish(c.finish_reason)
-                yield R.sse(R.chat_finish_chunk(cid, opts.model, created, i, reason, inc))
+                lp, pending[i] = _chat_logprobs_of(pending[i], req.top_logprobs), []
+                yield R.sse(R.chat_finish_chunk(cid, opts.model, created, i, reason, inc, lp))
         if inc:
             yield R.sse(R.chat_usage_chunk(cid, opts.model, created, usage_of(choices)))
         yield R.SSE_DONE
     except asyncio.CancelledError:
         raise
+
+
+def _chat_logprobs_of(entries: list[TokenLogprob], top_n: int) -> dict[str, Any] | None:
+    """`choices[].logprobs` for a chunk carrying these tokens' text; None when there are none."""
+    return R.chat_logprobs(_token_logprobs(entries, top_n)) if entries else None
 
 
 def _chat_deltas(text: str, final: bool, reasoner: Any, tools: Any) -> list[dict[str, Any]]:

@@ -30,7 +30,8 @@ from mllmd.openai.protocol import (
 )
 from mllmd.sampling_params import SamplingParams
 
-ALLOWED_EXTRAS = {"reasoning_content"}  # our one documented extension (vLLM/SGLang do the same)
+# our one documented extension, under both names clients read (SGLang/DeepSeek; vLLM/Ollama)
+ALLOWED_EXTRAS = {"reasoning_content", "reasoning"}
 
 
 def extra_fields(m: BaseModel, path: str = "$") -> list[str]:
@@ -103,10 +104,11 @@ def test_chat_completion_validates():
     assert lp[2].bytes == [0xE4]
     assert m.choices[1].message.tool_calls[0].function.name == "f"
     assert m.choices[1].finish_reason == "tool_calls"
-    assert m.choices[2].message.model_extra == {"reasoning_content": "thinking"}
+    assert m.choices[2].message.model_extra == {"reasoning_content": "thinking", "reasoning": "thinking"}
     assert m.usage.total_tokens == 15 and m.usage.prompt_tokens_details.cached_tokens == 4
     assert m.usage.completion_tokens_details.reasoning_tokens == 2
     assert "reasoning_content" not in body["choices"][0]["message"]
+    assert "reasoning" not in body["choices"][0]["message"]
 
 
 def test_chat_stream_chunks_validate():
@@ -151,6 +153,9 @@ def test_chat_stream_chunks_validate():
     for chunk in (role, content, thinking, tool, finish, final):
         m = check(ChatCompletionChunk, chunk)
         assert m.object == "chat.completion.chunk" and m.id == cid
+    assert thinking["choices"][0]["delta"] == {"reasoning_content": "hm", "reasoning": "hm"}
+    delta = ChatCompletionChunk.model_validate(thinking).choices[0].delta
+    assert delta.model_extra == {"reasoning_content": "hm", "reasoning": "hm"}
     with pytest.raises(ValueError):
         R.chat_chunk_choice(0, {}, "abort")
 
@@ -385,6 +390,34 @@ def test_chat_messages_normalised():
     assert req.tool_choice == {"type": "function", "function": {"name": "g"}}
     assert req.chat_template_kwargs == {"enable_thinking": False}
     assert parse_chat_request({"messages": USER, "tools": req.tools}).tool_choice == "auto"
+
+
+@pytest.mark.parametrize(("effort", "kwargs", "want"), [
+    ("none", None, {"enable_thinking": False}),
+    ("minimal", None, {"enable_thinking": False}),
+    ("low", None, {}),
+    ("medium", None, {}),
+    ("high", None, {}),
+    (None, None, {}),
+    ("none", {"x": 1}, {"x": 1, "enable_thinking": False}),
+    ("none", {"enable_thinking": True}, {"enable_thinking": True}),  # the explicit template variable wins
+    ("high", {"enable_thinking": False}, {"enable_thinking": False}),
+])
+def test_reasoning_effort_sets_enable_thinking(effort: str | None, kwargs: dict[str, Any] | None,
+                                               want: dict[str, Any]) -> None:
+    body: dict[str, Any] = {"messages": USER, "reasoning_effort": effort}
+    if kwargs is not None:
+        body["chat_template_kwargs"] = kwargs
+    assert parse_chat_request(body).chat_template_kwargs == want
+
+
+@pytest.mark.parametrize("effort", ["max", "", "NONE", 1, True])
+def test_reasoning_effort_unknown_is_a_400_naming_the_values(effort: Any) -> None:
+    with pytest.raises(APIError) as e:
+        parse_chat_request({"messages": USER, "reasoning_effort": effort})
+    assert e.value.status == 400 and e.value.param == "reasoning_effort"
+    if isinstance(effort, str):
+        assert "none, minimal, low, medium, high" in e.value.message
 
 
 def test_completion_parsing():

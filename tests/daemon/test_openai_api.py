@@ -90,6 +90,12 @@ def test_chat_streaming_with_usage(client: Any, tokenizer: Any) -> None:
     finish = [ch.choices[0].finish_reason for ch in body if ch.choices and ch.choices[0].finish_reason]
     assert finish == ["length"]
     assert streamed_tokens == 9
+    # a token's text and its logprobs travel in one chunk (OpenAI's shape), never as a text chunk then an
+    # empty-content chunk with the logprobs; only the finish chunk may carry tokens without text
+    for ch in body[1:]:
+        c = ch.choices[0]
+        has_lp = bool(c.logprobs and c.logprobs.content)
+        assert bool(c.delta.content) == has_lp or (c.finish_reason and not c.delta.content), ch
     assert last.usage.completion_tokens == streamed_tokens
     assert last.usage.prompt_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
     assert last.usage.total_tokens == last.usage.prompt_tokens + streamed_tokens

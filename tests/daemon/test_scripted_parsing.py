@@ -3,7 +3,8 @@
 The daemon runs with MLLMD_TESTING_SCRIPT (see mllmd/testing/scripted.py): the scheduler's sampler
 emits the scripts below in turn (request k gets script k mod 3), then EOS. Each response is matched
 to its script by its reasoning text, so the tests do not depend on the order requests arrive in;
-sending three requests in a row covers every script.
+sending three requests in a row covers every script. The daemon runs with the default configuration:
+the parsers are chosen from the model (`auto`), nothing is configured.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ def scripted(tiny_model: Path) -> Any:
     d = short_tmpdir()
     script = d / "script.json"
     script.write_text(json.dumps(SCRIPTS))
-    daemon = start_daemon(tiny_model, "--server.reasoning_parser", "qwen3", "--server.tool_call_parser", "qwen3",
-                          env={"MLLMD_TESTING_SCRIPT": str(script)})
+    # no parser options: a Qwen3 model gets the qwen3 reasoning and tool-call parsers by default (auto)
+    daemon = start_daemon(tiny_model, env={"MLLMD_TESTING_SCRIPT": str(script)})
     yield daemon
     stop_and_check(daemon)
 
@@ -85,6 +86,7 @@ def test_scripted_non_streaming(client: Any, tokenizer: Any) -> None:
         r = client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, max_tokens=200)
         c = r.choices[0]
         reasoning = (c.message.model_extra or {}).get("reasoning_content")
+        assert (c.message.model_extra or {}).get("reasoning") == reasoning  # both names, same text
         calls = [{"id": t.id, "type": t.type, "name": t.function.name, "arguments": t.function.arguments}
                  for t in c.message.tool_calls or []]
         seen.add(_check(reasoning, c.message.content, calls, c.finish_reason, r.usage.completion_tokens, tokenizer))
@@ -109,6 +111,7 @@ def test_scripted_streaming(client: Any, tokenizer: Any) -> None:
                 continue
             delta = ch.choices[0].delta
             extra = delta.model_extra or {}
+            assert extra.get("reasoning") == extra.get("reasoning_content")  # both names, same text
             if extra.get("reasoning_content"):
                 reasoning.append(extra["reasoning_content"])
             if delta.content:
@@ -172,3 +175,53 @@ def test_scripted_completions_are_raw(scripted: Any) -> None:
             assert text in SCRIPTS
             seen.add(text)
     assert seen == set(SCRIPTS)
+
+
+def test_thinking_is_split_by_default(scripted: Any) -> None:
+    """With no configuration, a Qwen3 model's thinking comes back as reasoning_content and reasoning
+    (the same text), apart from the content, streamed and not, over plain HTTP (no SDK in between)."""
+    want = {r: w for r, (_, w, calls) in EXPECTED.items() if not calls}  # the answer script
+    with scripted.http(timeout=60) as http:
+        full = stream = None
+        for _ in range(len(SCRIPTS)):  # one of each three requests gets the answer script
+            msg = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}).json()
+            msg = msg["choices"][0]["message"]
+            if msg.get("reasoning_content") in want:
+                full = msg
+        for _ in range(len(SCRIPTS)):
+            body = http.post("/v1/chat/completions",
+                             json={"model": MODEL, "messages": MESSAGES, "stream": True}).text
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in body.splitlines()
+                      if line.startswith("data: {") and '"choices":[{' in line]
+            assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+            text = "".join(d.get("reasoning_content") or "" for d in deltas)
+            if text in want:
+                stream = (text, "".join(d.get("content") or "" for d in deltas))
+    assert full is not None and stream is not None
+    reasoning = full["reasoning_content"]
+    assert full["reasoning"] == reasoning and full["content"] == want[reasoning]
+    assert "<think>" not in full["content"] and "</think>" not in full["content"]
+    assert stream == (reasoning, want[reasoning])
+
+
+def test_reasoning_effort_none_turns_thinking_off(client: Any, tokenizer: Any) -> None:
+    """reasoning_effort none / minimal render the prompt as enable_thinking=False does (Qwen3's empty
+    think block); low / medium / high leave it as the template has it; an unknown value is a 400."""
+    import openai
+
+    def prompt_tokens(**kw: Any) -> int:
+        r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, **kw)
+        return int(r.usage.prompt_tokens)
+
+    def rendered(**kw: Any) -> int:
+        text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kw)
+        return len(tokenizer.encode(text, add_special_tokens=False))
+
+    off, on = rendered(enable_thinking=False), rendered()
+    assert off != on
+    assert prompt_tokens(reasoning_effort="none") == prompt_tokens(reasoning_effort="minimal") == off
+    assert prompt_tokens(reasoning_effort="high") == prompt_tokens(reasoning_effort="low") == on
+    assert prompt_tokens(reasoning_effort="none", extra_body={"chat_template_kwargs": {"enable_thinking": True}}) == on
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, reasoning_effort="max")  # type: ignore[arg-type]
+    assert "reasoning_effort" in str(e.value)
