@@ -219,6 +219,10 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
     matched_stop: int | str | None = None
+    # SamplingParams.prompt_logprobs, on the first output: prompt token i + 1's logprob and top
+    # alternatives, for each i
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class TokenOutputs(_Message, frozen=True):
@@ -241,7 +245,7 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     token_id: int
     token: str
     bytes: list[int]
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it)
     top: list[TopLogprob]
 
 
@@ -260,6 +264,7 @@ class TextOutput(msgspec.Struct, frozen=True, array_like=True):
     cached_tokens: int
     logprobs: list[TokenLogprob] | None = None
     meta: PromptMeta = PromptMeta()
+    prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, on the first output
 
 
 class TextOutputs(_Message, frozen=True):

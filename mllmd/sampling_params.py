@@ -76,6 +76,9 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     skip_special_tokens: bool = True
+    # the logprob of every prompt token after the first (with top_logprobs alternatives): completions'
+    # echo with logprobs; the prompt is computed in full (no prefix-cache hit)
+    prompt_logprobs: bool = False
     constraint: OutputConstraint | None = None
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ from mllmd.engine.model_runner import ModelRunner
 from mllmd.engine.prefix_cache import ChunkCache, HybridRadixCache, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, AdmissionError, EngineImage, Req, ReqStatus
 from mllmd.engine.sampling import uses_output_penalties
+from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import Scheduler
 from mllmd.messages import TokenOutput
@@ -170,6 +171,9 @@ class Engine:
             logits = self.runner.forward(batch)
             self.scheduler.commit(sched)
             sampling_reqs = [r for r, need in zip(sched.reqs, sched.needs_logits) if need]
+            if batch.prompt_spans:  # their rows follow the sampling rows
+                self._record_prompt_logprobs(batch.prompt_spans, logits[len(sampling_reqs):])
+                logits = logits[: len(sampling_reqs)]
             if sampling_reqs:
                 # every row samples (decodes): the batch's device-side request rows are the token slots
                 rows = batch.req_pool_indices if len(sampling_reqs) == len(sched.reqs) else None
@@ -213,6 +217,22 @@ class Engine:
                 r.token_ids.append(PLACEHOLDER)
         pending = PendingFetch([out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs])
         return _Launched(reqs, positions, pending)
+
+    def _record_prompt_logprobs(self, spans: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
+        """Prompt tokens' logprobs from this step's prompt rows (a host sync: only for requests that
+        asked, in their prefill)."""
+        start = 0
+        for req, first, count in spans:
+            rows = logits[start : start + count]
+            start += count
+            targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + count], dtype=torch.int64, device=rows.device)
+            k = req.params.top_logprobs
+            lp, top_ids, top_lp = compute_logprobs(rows, targets, k)
+            req.prompt_logprobs += lp.tolist()
+            if top_ids is not None and top_lp is not None:
+                req.prompt_top_logprobs += [list(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
+            else:
+                req.prompt_top_logprobs += [[] for _ in range(count)]
 
     def _token_mask(self, reqs: list[Req], device: torch.device) -> TokenMask | None:
         """The grammar rows' allowed tokens, filled on the host and copied up without a sync."""
@@ -281,6 +301,10 @@ class Engine:
         top: list[list[tuple[int, float]]] | None,
         num_output: int | None = None,
     ) -> TokenOutput:
+        prompt_lp = prompt_top = None
+        if req.params.prompt_logprobs and not req.prompt_logprobs_sent and new:
+            prompt_lp, prompt_top = req.prompt_logprobs, req.prompt_top_logprobs
+            req.prompt_logprobs_sent = True
         return TokenOutput(
             rid=req.rid,
             new_token_ids=new,
@@ -292,6 +316,8 @@ class Engine:
             new_logprobs=lp,
             new_top_logprobs=top,
             matched_stop=req.matched_stop,
+            prompt_logprobs=prompt_lp,
+            prompt_top_logprobs=prompt_top,
         )
 
     # ---- introspection (tests, metrics, admin) -----------------------------------------------

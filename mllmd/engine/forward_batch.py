@@ -3,7 +3,8 @@ lengths only: the pools and the attention backend are the runner's, passed where
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,9 @@ class ForwardBatch:
     graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
     images: ImageEmbeds | None = None  # the step's image tokens (vision-language models)
     state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (hybrid models)
+    # prompt logprobs: (request, first position, count) per row that wants them; their logits follow
+    # the sampling rows' in logits_indices, in this order
+    prompt_spans: list[tuple[Any, int, int]] = field(default_factory=list)
 
     @property
     def batch_size(self) -> int:

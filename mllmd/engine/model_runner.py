@@ -372,8 +372,16 @@ class ModelRunner:
         logits_rows: list[int] = []
         fill_rows: list[int] = []  # overlap: input positions whose token is still on the device
         fill_slots: list[int] = []
+        prompt_rows: list[int] = []  # prompt logprobs: rows after the sampling rows in logits_indices
+        prompt_spans: list[tuple[Req, int, int]] = []
         for req, p, n in zip(sched.reqs, sched.prefix_lens, sched.extend_lens):
             start = len(input_ids)
+            if req.params.prompt_logprobs and p < len(req.prompt_ids) - 1:
+                # position j's logits give prompt token j + 1's logprob; the last prompt position's are
+                # the sampling row's
+                end = min(p + n, len(req.prompt_ids) - 1)
+                prompt_rows += range(start, start + end - p)
+                prompt_spans.append((req, p, end - p))
             input_ids += req.token_ids[p : p + n]
             columns += range(p, p + n)
             positions += range(p + req.mrope_delta, p + n + req.mrope_delta) if req.mrope_delta else range(p, p + n)
@@ -386,6 +394,7 @@ class ModelRunner:
                 fill_slots.append(req.req_pool_idx)
             assert PLACEHOLDER not in input_ids[start:-1], "only a request's last token can be in flight"
         rows = [r.req_pool_idx for r in sched.reqs if r.req_pool_idx is not None]
+        logits_rows += prompt_rows
         gr = self.graph_runner
         if (
             gr is not None
@@ -428,6 +437,7 @@ class ModelRunner:
             extend_lens_cpu=list(sched.extend_lens),
             images=images,
             state_slots=parts[9] if self.state_pool is not None else None,
+            prompt_spans=prompt_spans,
         )
         return batch
 

@@ -87,6 +87,11 @@ class Req:
     # structured outputs: the grammar matcher (mllmd.structured.matcher.RequestGrammar) of a
     # constrained request, advanced by each token it takes
     grammar: Any = None
+    # params.prompt_logprobs: the logprob of prompt token i + 1 (and its top alternatives) for each i
+    # computed so far; `prompt_logprobs_sent` once they went out with the first output
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     _key_prompt: list[int] | None = None
 
     def __post_init__(self) -> None:

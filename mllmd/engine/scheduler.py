@@ -171,7 +171,9 @@ class Scheduler:
             if state is None:
                 self.req_to_token_pool.free(idx)
                 return False
-        match = self.cache.match_prefix(req.cache_key(len(req.token_ids) - 1))
+        # prompt logprobs need every prompt position computed: no cached prefix until they are
+        want_all = req.params.prompt_logprobs and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
+        match = self.cache.match_prefix(req.cache_key(0 if want_all else len(req.token_ids) - 1))
         if self.state_pool is not None:
             assert state is not None
             if match.state is not None:  # the matched snapshot, read before anything can reuse its slot

@@ -326,6 +326,8 @@ class _SamplingRequest:
             logprobs=self.logprobs,
             top_logprobs=self.top_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            # completions' echo with logprobs: the echoed prompt tokens get theirs too
+            prompt_logprobs=bool(getattr(self, "echo", False) and self.logprobs),
         )
         try:
             sp.validate()

@@ -30,6 +30,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # completions' echo with logprobs
     meta: PromptMeta = field(default_factory=PromptMeta)
 
 
@@ -96,6 +97,8 @@ def accumulate(choice: Choice, item: TextOutput) -> None:
     choice.meta = item.meta
     if item.logprobs:
         choice.logprobs += item.logprobs
+    if item.prompt_logprobs is not None:
+        choice.prompt_logprobs = item.prompt_logprobs
     if item.finished:
         choice.finish_reason = item.finish_reason or "stop"
         choice.matched_stop = item.matched_stop
@@ -243,7 +246,11 @@ async def completion_full(states: list[Any], req: Any, model: str, echo_texts: l
     out = []
     for i, c in enumerate(choices):
         prefix = echo_texts[i] if req.echo else ""
-        lp = R.completion_logprobs(_token_logprobs(c.logprobs, req.top_logprobs), len(prefix)) if req.logprobs else None
+        lp = None
+        if req.logprobs:
+            entries = (c.prompt_logprobs or []) + c.logprobs if req.echo else c.logprobs
+            start = 0 if req.echo and c.prompt_logprobs else len(prefix)
+            lp = R.completion_logprobs(_token_logprobs(entries, req.top_logprobs), start)
         out.append(R.completion_choice(i, prefix + c.text, _finish(c.finish_reason), lp))
     return R.completion(R.completion_id(), model, R.now(), out, usage_of(choices))
 
@@ -252,15 +259,25 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
     cid, created, inc = R.completion_id(), R.now(), req.include_usage
     choices = [Choice() for _ in states]
     offsets = [len(t) if req.echo else 0 for t in echo_texts]  # text_offset of each choice's next token
-    if req.echo:
+    # with logprobs the echo waits for the choice's first output, which brings the prompt's logprobs
+    echo_waits = req.echo and req.logprobs
+    if req.echo and not echo_waits:
         for i, t in enumerate(echo_texts):
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, t, None)], include_usage=inc))
+    echoed = [not echo_waits] * len(states)
     async for i, item in merged(states):
         item = openai_item(item)
         if isinstance(item, RequestFailed):
             yield stream_error(item)
             return
         accumulate(choices[i], item)
+        if not echoed[i]:
+            echoed[i] = True
+            plp = None
+            if item.prompt_logprobs:
+                plp = R.completion_logprobs(_token_logprobs(item.prompt_logprobs, req.top_logprobs), 0)
+            yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, echo_texts[i], None, plp)],
+                                           include_usage=inc))
         final = item.finished
         lp = None
         if req.logprobs and item.logprobs:

@@ -33,6 +33,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.states: dict[str, Any] = {}
         self.meta: dict[str, PromptMeta] = {}
+        self.prompts: dict[str, list[int]] = {}  # a request's prompt ids until its first output
         self.failed: list[RequestFailed] = []  # requests that could not be detokenized (sent to main)
 
     def register(self, msg: RegisterRequest) -> None:
@@ -42,6 +43,7 @@ class Detokenizer:
             self.tokenizer, stop=msg.stop, skip_special_tokens=msg.skip_special_tokens, prompt_ids=msg.prompt_ids
         )
         self.meta[msg.rid] = msg.meta
+        self.prompts[msg.rid] = msg.prompt_ids  # until the first output (prompt logprobs name its tokens)
 
     def reset(self) -> int:
         """Drop every request's state (a new scheduler started: whatever it ran before is gone, and
@@ -49,6 +51,7 @@ class Detokenizer:
         dropped = len(self.states)
         self.states.clear()
         self.meta.clear()
+        self.prompts.clear()
         return dropped
 
     def _logprob_entries(self, out: TokenOutput) -> list[TokenLogprob] | None:
@@ -64,6 +67,21 @@ class Detokenizer:
             )
             for tid, lp, top in zip(out.new_token_ids, out.new_logprobs, out.new_top_logprobs or [])
         ]  # fmt: skip
+
+    def _prompt_entries(self, out: TokenOutput, prompt_ids: list[int]) -> list[TokenLogprob] | None:
+        """Every prompt token with its logprob (the first has none) and top alternatives."""
+        from mllmd.detokenizer import token_bytes, token_text
+
+        if out.prompt_logprobs is None:
+            return None
+        tok = self.tokenizer
+        lps: list[float | None] = [None, *out.prompt_logprobs]
+        tops = [[], *(out.prompt_top_logprobs or [[] for _ in out.prompt_logprobs])]
+        return [
+            TokenLogprob(tid, token_text(tok, tid), token_bytes(tok, tid), lp,
+                         [TopLogprob(t, token_text(tok, t), token_bytes(tok, t), v) for t, v in top])
+            for tid, lp, top in zip(prompt_ids, lps, tops)
+        ]
 
     def process(self, out: TokenOutput) -> TextOutput | None:
         state = self.states.get(out.rid)
@@ -89,7 +107,9 @@ class Detokenizer:
             cached_tokens=out.cached_tokens,
             logprobs=self._logprob_entries(out),
             meta=self.meta.get(out.rid, PromptMeta()),
+            prompt_logprobs=self._prompt_entries(out, self.prompts.pop(out.rid, [])),
         )
+        self.prompts.pop(out.rid, None)
         if finished:
             self.states.pop(out.rid, None)
             self.meta.pop(out.rid, None)

@@ -232,10 +232,26 @@ def test_completions_logprobs_shape(client: Any) -> None:
         assert tok in top
     expected = [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
     assert lp.text_offset == expected
-    # echo: offsets start after the prompt
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=0, echo=True,
+    # echo: the prompt's tokens come first, the first without a logprob (as OpenAI's), then the
+    # generated ones, whose offsets start after the prompt
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=1, echo=True,
                                   extra_body=IGNORE_EOS)
-    assert r.choices[0].logprobs.text_offset[0] == len(PROMPT)
+    lp = r.choices[0].logprobs
+    n_prompt = len(lp.tokens) - 3
+    assert "".join(lp.tokens[:n_prompt]) == PROMPT and r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[n_prompt] == len(PROMPT)
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, logprobs=1, echo=True,
+                                       stream=True, extra_body=IGNORE_EOS)
+    streamed: list[Any] = []
+    text = ""
+    for ch in stream:
+        if ch.choices:
+            text += ch.choices[0].text
+            if ch.choices[0].logprobs:
+                streamed += ch.choices[0].logprobs.token_logprobs
+    assert text.startswith(PROMPT) and streamed[:n_prompt] == lp.token_logprobs[:n_prompt]
 
 
 def test_completions_streaming_logprobs_offsets(client: Any) -> None:

@@ -1,0 +1,50 @@
+"""Prompt logprobs (completions' echo with logprobs): every prompt token after the first gets the
+logprob the model gives it, equal to transformers' log-softmax of the same checkpoint, whether the
+prompt is prefilled at once or in chunks, and whatever the prefix cache holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mllmd import LLM, SamplingParams
+
+PROMPT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the woods."
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_tied: Path) -> tuple[list[int], torch.Tensor]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(qwen3_tied))
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    model = AutoModelForCausalLM.from_pretrained(str(qwen3_tied), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    return ids, lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prompt_logprobs_equal_transformers(qwen3_tied: Path, reference: tuple[list[int], torch.Tensor],
+                                            chunk: int | None) -> None:
+    ids, want = reference
+    kw = {"chunked_prefill_size": chunk} if chunk else {}
+    llm = LLM(str(qwen3_tied), **kw)
+    llm.generate([PROMPT], SamplingParams(max_tokens=2, temperature=0))  # the prompt is now in the prefix cache
+    engine = llm.engine
+    engine.add_request("p", ids, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=True, top_logprobs=2))
+    first = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.rid == "p" and out.new_token_ids and first is None:
+                first = out
+    assert first is not None and first.prompt_logprobs is not None
+    got = torch.tensor(first.prompt_logprobs)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    assert first.prompt_top_logprobs is not None and len(first.prompt_top_logprobs) == len(ids) - 1
+    assert all(len(t) == 2 and t[0][1] >= t[1][1] for t in first.prompt_top_logprobs)
+    assert first.cached_tokens == 0  # the cached copy of the prompt was not used
