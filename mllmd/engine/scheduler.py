@@ -22,6 +22,10 @@ from mllmd.engine.prefix_cache import HybridRadixCache, PrefixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
 from mllmd.engine.state_pool import StatePool
 
+# prompt tokens a step computes for a request that wants their logprobs: 512 rows of a 151,936-token
+# vocabulary are 311 MB of float32 logits
+PROMPT_LOGPROB_CHUNK = 512
+
 
 @dataclass
 class ScheduledBatch:
@@ -336,7 +340,11 @@ class Scheduler:
         return n
 
     def _align(self, req: Req, n: int) -> int:
-        """A hybrid model's prefill chunk ends at the next multiple of the snapshot interval it crosses."""
+        """A hybrid model's prefill chunk ends at the next multiple of the snapshot interval it crosses;
+        a prompt whose logprobs are wanted goes PROMPT_LOGPROB_CHUNK tokens a step (each of its tokens
+        takes a row of float32 logits, vocabulary-wide)."""
+        if req.params.prompt_logprobs and req.kv_len < len(req.prompt_ids) - 1:
+            n = min(n, PROMPT_LOGPROB_CHUNK)
         if not self.snapshot_interval or n <= 1:
             return n
         boundary = (req.kv_len // self.snapshot_interval + 1) * self.snapshot_interval

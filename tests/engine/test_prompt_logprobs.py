@@ -27,9 +27,12 @@ def reference(qwen3_tied: Path) -> tuple[list[int], torch.Tensor]:
     return ids, lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
 
 
-@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("chunk, cap", [(None, None), (7, None), (None, 4)])
 def test_prompt_logprobs_equal_transformers(qwen3_tied: Path, reference: tuple[list[int], torch.Tensor],
-                                            chunk: int | None) -> None:
+                                            chunk: int | None, cap: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cap`: the prompt-logprob rows a step may compute (scheduler.PROMPT_LOGPROB_CHUNK, 512)."""
+    if cap is not None:
+        monkeypatch.setattr("mllmd.engine.scheduler.PROMPT_LOGPROB_CHUNK", cap)
     ids, want = reference
     kw = {"chunked_prefill_size": chunk} if chunk else {}
     llm = LLM(str(qwen3_tied), **kw)
