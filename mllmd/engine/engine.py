@@ -5,6 +5,7 @@ This is what the scheduler worker and the offline `LLM` drive: `add_request`, `a
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import random
 import time
@@ -86,6 +87,7 @@ class Engine:
         self._pending_outputs: list[TokenOutput] = []
         self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
+        self._grammars_ready: concurrent.futures.Future[GrammarCompiler] | None = None  # prepare_grammars
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(
@@ -125,13 +127,27 @@ class Engine:
         self.reqs[rid] = req
         self.scheduler.add(req)
 
+    def prepare_grammars(self) -> None:
+        """Build the structured-output compiler on a background thread now (about a second for a 151k
+        vocabulary), so that the first constrained request does not stall the step loop for it."""
+        if self._grammars_ready is None:
+            self._grammars_ready = concurrent.futures.ThreadPoolExecutor(1).submit(self._build_grammars)
+
+    def _build_grammars(self) -> GrammarCompiler:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
+        return GrammarCompiler(tokenizer, self.info.vocab_size)
+
     def _grammar_for(self, c: OutputConstraint) -> RequestGrammar:
         """A matcher for a constrained request (the compiler, with the model's tokenizer, built once)."""
         if self._grammars is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
-            self._grammars = GrammarCompiler(tokenizer, self.info.vocab_size)
+            self.prepare_grammars()
+            assert self._grammars_ready is not None
+            try:
+                self._grammars = self._grammars_ready.result()
+            except Exception as e:  # xgrammar missing, or a tokenizer it cannot read
+                raise AdmissionError(f"structured outputs are unavailable here: {e}", "response_format") from None
         try:
             compiled = self._grammars.compile(c)
         except GrammarError as e:

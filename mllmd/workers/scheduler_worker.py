@@ -207,6 +207,7 @@ def run(wctx: WorkerContext) -> None:
     if config.cpu_threads is None:  # leave a core to main, tokenizer and detokenizer
         config = config.replace(cpu_threads=max(1, (os.cpu_count() or 1) - 1))
     engine = Engine(config)
+    engine.prepare_grammars()  # structured outputs' compiler, built while the first requests arrive
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     to_detok = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
     receiver = to_tokenizer = None
