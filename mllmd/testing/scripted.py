@@ -71,7 +71,9 @@ class ScriptedSampler:
         logits: torch.Tensor,
         info: SamplingBatchInfo,
         token_sink: TokenSink | None = None,
+        token_mask: Any = None,
     ) -> SamplerOutput:
+        """The scripted tokens (a grammar's token_mask does not apply: the script decides)."""
         ids = []
         for seed, pos in zip(info.seeds, info.positions):
             script = self._script_for(seed, pos)
