@@ -241,6 +241,10 @@ class Engine:
         for req, first, count in spans:
             rows = logits[start : start + count]
             start += count
+            skip = max(0, len(req.prompt_logprobs) - first)  # recomputed after a preemption: kept already
+            if skip >= count:
+                continue
+            rows, first, count = rows[skip:], first + skip, count - skip
             targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + count], dtype=torch.int64, device=rows.device)
             k = req.params.top_logprobs
             lp, top_ids, top_lp = compute_logprobs(rows, targets, k)
