@@ -51,3 +51,24 @@ def test_prompt_logprobs_equal_transformers(qwen3_tied: Path, reference: tuple[l
     assert first.prompt_top_logprobs is not None and len(first.prompt_top_logprobs) == len(ids) - 1
     assert all(len(t) == 2 and t[0][1] >= t[1][1] for t in first.prompt_top_logprobs)
     assert first.cached_tokens == 0  # the cached copy of the prompt was not used
+
+
+def test_prompt_logprobs_survive_preemption(qwen3_tied: Path, reference: tuple[list[int], torch.Tensor]) -> None:
+    """A KV pool too small for four requests at once preempts some; each still reports every prompt
+    token's logprob once, with the right values."""
+    ids, want = reference
+    llm = LLM(str(qwen3_tied), max_total_tokens=2 * len(ids) + 60, chunked_prefill_size=7)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", ids, params)
+    firsts = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids and out.rid not in firsts:
+                firsts[out.rid] = out
+    assert engine.scheduler.stats.preemptions > 0, "the KV pool was meant to be small enough to preempt"
+    assert sorted(firsts) == ["r0", "r1", "r2", "r3"]
+    for out in firsts.values():
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-4, rtol=1e-4)
