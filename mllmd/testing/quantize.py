@@ -74,6 +74,34 @@ def quantize_checkpoint(
     return out
 
 
+def decompressed_reference(model_dir: Path) -> Any:
+    """transformers' model of a compressed-tensors checkpoint, its tensors decompressed by
+    compressed-tensors, float32, in eval mode: the reference the quantized engine is compared with."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from mllmd.testing.checkpoints import hf_model_class
+
+    config = AutoConfig.from_pretrained(model_dir)
+    raw = config.quantization_config
+    qconfig = QuantizationConfig.model_validate(raw if isinstance(raw, dict) else raw.to_dict())
+    del config.quantization_config
+    model = hf_model_class(config.to_dict()).from_config(config, dtype=torch.float32)
+    apply_quantization_config(model, qconfig)  # schemes + quantized forward on the targeted Linears
+    compressor = ModelCompressor(quantization_config=qconfig)
+    compressor.compress_model(model)  # the compressed parameter layout (weight_packed, ...)
+    state: dict[str, Any] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        state.update(load_file(f))
+    result = model.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
+    compressor.decompress_model(model)
+    return model.eval()
+
+
 def _stored_dtype(base: Path) -> Any:
     """The float dtype of the base checkpoint's weights, from its config (float32 if it names none)."""
     import torch

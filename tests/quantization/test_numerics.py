@@ -45,6 +45,7 @@ import torch
 
 from mllmd import LLM, SamplingParams
 from mllmd.models.layers import Linear
+from mllmd.testing.quantize import decompressed_reference
 
 from .conftest import VARIANTS, W4A16_VARIANTS
 
@@ -70,26 +71,7 @@ _REF: dict[Path, Any] = {}
 def reference(model_dir: Path) -> Any:
     """transformers Qwen3 with the checkpoint loaded and decompressed by compressed-tensors, float32."""
     if model_dir not in _REF:
-        from compressed_tensors.compressors import ModelCompressor
-        from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-        from safetensors.torch import load_file
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(model_dir)
-        raw = config.quantization_config
-        qconfig = QuantizationConfig.model_validate(raw if isinstance(raw, dict) else raw.to_dict())
-        del config.quantization_config
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        apply_quantization_config(model, qconfig)  # schemes + quantized forward on the targeted Linears
-        compressor = ModelCompressor(quantization_config=qconfig)
-        compressor.compress_model(model)  # the compressed parameter layout (weight_packed, ...)
-        state: dict[str, torch.Tensor] = {}
-        for f in sorted(model_dir.glob("*.safetensors")):
-            state.update(load_file(f))
-        result = model.load_state_dict(state, strict=False)
-        assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
-        compressor.decompress_model(model)
-        _REF[model_dir] = model.eval()
+        _REF[model_dir] = decompressed_reference(model_dir)
     return _REF[model_dir]
 
 

@@ -16,7 +16,7 @@ import torch
 
 from mllmd import LLM, SamplingParams
 from mllmd.testing import checkpoints as ck
-from mllmd.testing.quantize import quantize_checkpoint
+from mllmd.testing.quantize import decompressed_reference, quantize_checkpoint
 
 REAL = "RedHatAI-Qwen3.5-9B-quantized.w4a16"
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -75,32 +75,8 @@ def test_layers_are_quantized_as_named(checkpoint: Path) -> None:
     assert not any(n.startswith("model.visual") or n.startswith("lm_head") for n in quantized)
 
 
-def _reference(checkpoint: Path) -> Any:
-    """transformers' Qwen3.5 with the checkpoint's compressed tensors decompressed by compressed-tensors."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(checkpoint)
-    raw = config.quantization_config
-    qconfig = QuantizationConfig.model_validate(raw if isinstance(raw, dict) else raw.to_dict())
-    del config.quantization_config
-    model = ck.hf_model_class(config.to_dict()).from_config(config, dtype=torch.float32)
-    apply_quantization_config(model, qconfig)
-    compressor = ModelCompressor(quantization_config=qconfig)
-    compressor.compress_model(model)
-    state: dict[str, torch.Tensor] = {}
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        state.update(load_file(f))
-    result = model.load_state_dict(state, strict=False)
-    assert not result.unexpected_keys and set(result.missing_keys) <= {"lm_head.weight"}, result
-    compressor.decompress_model(model)
-    return model.eval()
-
-
 def test_greedy_tokens_equal_transformers(checkpoint: Path) -> None:
-    ref = _reference(checkpoint)
+    ref = decompressed_reference(checkpoint)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 150000, (n,), generator=g).tolist() for n in (5, 70, 130)]
     llm = LLM(str(checkpoint), dtype="float32", device="cpu", chunked_prefill_size=64)
