@@ -13,12 +13,12 @@ endpoint's ``sampling_params`` object is strict: an unknown key there is an erro
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mllmd.messages import OutputBudget
-from mllmd.openai.errors import APIError, bad_request
+from mllmd.openai.errors import bad_request
+from mllmd.openai.fields import MAX_INT, JsonFields, as_float, as_str, as_token_ids, show
 from mllmd.openai.limits import (
     DEFAULT_LIMITS,
     MAX_CONTENT_PARTS,
@@ -39,7 +39,6 @@ from mllmd.sampling_params import MAX_TOP_LOGPROBS, OutputConstraint, SamplingPa
 
 MAX_N = 16  # choices per prompt
 MAX_BATCH = 256  # prompts per request (completions, /generate); also caps len(prompts) * n
-MAX_INT = (1 << 31) - 1  # token ids, max_tokens, top_k
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_TOKEN_IDS = 1024
 MAX_RID_LEN = 256
@@ -73,149 +72,20 @@ GENERATE_SAMPLING_KEYS = (
 
 
 # ---------------------------------------------------------------------------------------------
-# Typed field access
-
-
-def _show(v: Any) -> str:
-    """A short description of a bad value for an error message (never huge, never raises)."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return repr(v) if v.bit_length() < 128 else "a very large integer"
-    if isinstance(v, float):
-        return repr(v)
-    if isinstance(v, str):
-        return repr(v) if len(v) <= 40 else repr(v[:40]) + "..."
-    return {list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
-
-
-def _range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
-    if hi is None:
-        return f"{'>' if lo_open else '>='} {lo}"
-    return f"in {'(' if lo_open else '['}{lo}, {hi}]"
-
-
-def _as_int(v: Any, p: str, lo: int | None = None, hi: int | None = None) -> int:
-    if isinstance(v, float) and v.is_integer():  # 10.0 from a lax client (is_integer is False for inf/nan)
-        v = int(v)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad_request(f"'{p}' must be an integer (got {_show(v)})", p)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad_request(f"'{p}' must be an integer {_range(lo, hi)} (got {_show(v)})", p)
-    return v
-
-
-def _as_float(v: Any, p: str, lo: float, hi: float, lo_open: bool = False) -> float:
-    if (
-        isinstance(v, bool)
-        or not isinstance(v, (int, float))
-        or (isinstance(v, float) and not math.isfinite(v))
-    ):
-        raise bad_request(f"'{p}' must be a finite number (got {_show(v)})", p)
-    if v < lo or v > hi or (lo_open and v == lo):  # compare before float(): huge ints would overflow
-        raise bad_request(f"'{p}' must be a number {_range(lo, hi, lo_open)} (got {_show(v)})", p)
-    return float(v)
-
-
-def _as_str(v: Any, p: str, allow_empty: bool = True) -> str:
-    if not isinstance(v, str):
-        raise bad_request(f"'{p}' must be a string (got {_show(v)})", p)
-    if not v and not allow_empty:
-        raise bad_request(f"'{p}' must not be empty", p)
-    return v
-
-
-def _as_token_ids(v: Any, p: str, allow_empty: bool = False) -> list[int]:
-    if not isinstance(v, list):
-        raise bad_request(f"'{p}' must be an array of token ids (got {_show(v)})", p)
-    if not v:
-        if not allow_empty:
-            raise bad_request(f"'{p}' must not be empty", p)
-        return []
-    # Fast path (C speed, for prompts of a million ids): plain ints within range need no copy.
-    if set(map(type, v)) == {int} and min(v) >= 0 and max(v) <= MAX_INT:
-        return v
-    return [_as_int(t, f"{p}[{i}]", 0, MAX_INT) for i, t in enumerate(v)]
-
-
-class _Obj:
-    """Typed access to one JSON object's fields; errors name the field by its full path."""
-
-    def __init__(self, value: Any, path: str = "", what: str = "The request body") -> None:
-        if not isinstance(value, dict):
-            name = f"'{path}'" if path else what
-            raise bad_request(f"{name} must be a JSON object (got {_show(value)})", path or None)
-        self.d: dict[str, Any] = value
-        self.path = path
-
-    def param(self, key: str) -> str:
-        return f"{self.path}.{key}" if self.path else key
-
-    def err(self, key: str, why: str) -> APIError:
-        p = self.param(key)
-        return bad_request(f"'{p}' {why}", p)
-
-    def raw(self, key: str, required: bool = False) -> Any:
-        v = self.d.get(key)
-        if v is None and required:
-            raise self.err(key, "is required")
-        return v
-
-    def get_bool(self, key: str, default: bool) -> bool:
-        v = self.d.get(key)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise self.err(key, f"must be a boolean (got {_show(v)})")
-        return v
-
-    def get_int(
-        self, key: str, default: int | None, lo: int | None = None, hi: int | None = None
-    ) -> int | None:
-        v = self.d.get(key)
-        return default if v is None else _as_int(v, self.param(key), lo, hi)
-
-    def get_float(self, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-        v = self.d.get(key)
-        return default if v is None else _as_float(v, self.param(key), lo, hi, lo_open)
-
-    def get_str(self, key: str, required: bool = False, allow_empty: bool = True) -> str | None:
-        v = self.raw(key, required)
-        return None if v is None else _as_str(v, self.param(key), allow_empty)
-
-    def get_obj(self, key: str, required: bool = False) -> _Obj | None:
-        v = self.raw(key, required)
-        return None if v is None else _Obj(v, self.param(key))
-
-    def get_list(self, key: str, required: bool = False) -> list[Any] | None:
-        v = self.raw(key, required)
-        if v is not None and not isinstance(v, list):
-            raise self.err(key, f"must be an array (got {_show(v)})")
-        return v
-
-    def refuse(self, unsupported: dict[str, str]) -> None:
-        for key, why in unsupported.items():
-            if self.d.get(key) is not None:
-                raise self.err(key, why)
-
-
-# ---------------------------------------------------------------------------------------------
 # Sampling fields shared by every endpoint
 
 
-def _read_stop(o: _Obj, limits: Limits, key: str = "stop") -> list[str]:
+def _read_stop(o: JsonFields, limits: Limits, key: str = "stop") -> list[str]:
     v, p = o.raw(key), o.param(key)
     if v is None:
         return []
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, list):
-        raise bad_request(f"'{p}' must be a string or an array of strings (got {_show(v)})", p)
+        raise bad_request(f"'{p}' must be a string or an array of strings (got {show(v)})", p)
     if len(v) > MAX_STOP:
         raise bad_request(f"'{p}' may hold at most {MAX_STOP} strings (got {len(v)})", p)
-    out = [_as_str(s, p, allow_empty=False) for s in v]
+    out = [as_str(s, p, allow_empty=False) for s in v]
     for s in out:
         if len(s) > limits.max_stop_length:
             raise bad_request(f"'{p}' holds a stop string of {len(s)} characters; the limit is "
@@ -223,12 +93,12 @@ def _read_stop(o: _Obj, limits: Limits, key: str = "stop") -> list[str]:
     return out
 
 
-def _read_logit_bias(o: _Obj, key: str = "logit_bias") -> dict[int, float] | None:
+def _read_logit_bias(o: JsonFields, key: str = "logit_bias") -> dict[int, float] | None:
     v, p = o.raw(key), o.param(key)
     if v is None:
         return None
     if not isinstance(v, dict):
-        raise bad_request(f"'{p}' must be an object mapping token ids to biases (got {_show(v)})", p)
+        raise bad_request(f"'{p}' must be an object mapping token ids to biases (got {show(v)})", p)
     check_count(v, p, MAX_LOGIT_BIAS, "entries")
     out: dict[int, float] = {}
     for k, b in v.items():
@@ -239,12 +109,12 @@ def _read_logit_bias(o: _Obj, key: str = "logit_bias") -> dict[int, float] | Non
         else:
             token = -1
         if not 0 <= token <= MAX_INT:
-            raise bad_request(f"'{p}' keys must be token ids as decimal strings (got {_show(k)})", p)
-        out[token] = _as_float(b, p, -100.0, 100.0)
+            raise bad_request(f"'{p}' keys must be token ids as decimal strings (got {show(k)})", p)
+        out[token] = as_float(b, p, -100.0, 100.0)
     return out
 
 
-def _read_sampling(o: _Obj, limits: Limits, temperature_max: float = 2.0) -> dict[str, Any]:
+def _read_sampling(o: JsonFields, limits: Limits, temperature_max: float = 2.0) -> dict[str, Any]:
     """The validated sampling fields common to all endpoints, as keyword arguments."""
     stop_token_ids = o.get_list("stop_token_ids") or []
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -259,7 +129,7 @@ def _read_sampling(o: _Obj, limits: Limits, temperature_max: float = 2.0) -> dic
         "repetition_penalty": o.get_float("repetition_penalty", 1.0, 0.0, 1000.0, lo_open=True),
         "seed": o.get_int("seed", None, SEED_MIN, SEED_MAX),
         "stop": _read_stop(o, limits),
-        "stop_token_ids": _as_token_ids(stop_token_ids, o.param("stop_token_ids"), allow_empty=True),
+        "stop_token_ids": as_token_ids(stop_token_ids, o.param("stop_token_ids"), allow_empty=True),
         "ignore_eos": o.get_bool("ignore_eos", False),
         "logit_bias": _read_logit_bias(o),
         "skip_special_tokens": o.get_bool("skip_special_tokens", True),
@@ -393,7 +263,7 @@ class ChatRequest(_SamplingRequest):
         ]
 
 
-def _parse_content(o: _Obj, role: str) -> str | list[dict[str, Any]] | None:
+def _parse_content(o: JsonFields, role: str) -> str | list[dict[str, Any]] | None:
     v, p = o.raw("content"), o.param("content")
     if v is None:
         if role == "assistant":
@@ -402,11 +272,11 @@ def _parse_content(o: _Obj, role: str) -> str | list[dict[str, Any]] | None:
     if isinstance(v, str):
         return v
     if not isinstance(v, list):
-        raise bad_request(f"'{p}' must be a string or an array of content parts (got {_show(v)})", p)
+        raise bad_request(f"'{p}' must be a string or an array of content parts (got {show(v)})", p)
     check_count(v, p, MAX_CONTENT_PARTS, "content parts")
     parts: list[dict[str, Any]] = []
     for j, raw in enumerate(v):
-        po = _Obj(raw, f"{p}[{j}]")
+        po = JsonFields(raw, f"{p}[{j}]")
         kind = po.get_str("type", required=True)
         if kind == "text":
             parts.append({"type": "text", "text": po.get_str("text", required=True)})
@@ -421,35 +291,35 @@ def _parse_content(o: _Obj, role: str) -> str | list[dict[str, Any]] | None:
             detail = io.get_str("detail")
             if detail is not None:
                 if detail not in IMAGE_DETAILS:
-                    raise io.err("detail", f"must be one of {', '.join(IMAGE_DETAILS)} (got {_show(detail)})")
+                    raise io.err("detail", f"must be one of {', '.join(IMAGE_DETAILS)} (got {show(detail)})")
                 image["detail"] = detail
             parts.append({"type": "image_url", "image_url": image})
         elif kind in UNSUPPORTED_PART_TYPES:
             raise po.err("type", f"content parts of type '{kind}' are not supported")
         else:
-            raise po.err("type", f"must be 'text' or 'image_url' (got {_show(kind)})")
+            raise po.err("type", f"must be 'text' or 'image_url' (got {show(kind)})")
     if all(part["type"] == "text" for part in parts):
         return "\n".join(part["text"] for part in parts)
     return parts
 
 
-def _parse_tool_calls(o: _Obj) -> list[dict[str, Any]] | None:
+def _parse_tool_calls(o: JsonFields) -> list[dict[str, Any]] | None:
     calls = o.get_list("tool_calls")
     if not calls:
         return None
     check_count(calls, o.param("tool_calls"), MAX_TOOL_CALLS, "tool calls")
     out = []
     for i, raw in enumerate(calls):
-        co = _Obj(raw, o.param(f"tool_calls[{i}]"))
+        co = JsonFields(raw, o.param(f"tool_calls[{i}]"))
         if co.raw("type") not in (None, "function"):
-            raise co.err("type", f"must be 'function' (got {_show(co.raw('type'))})")
+            raise co.err("type", f"must be 'function' (got {show(co.raw('type'))})")
         fo = co.get_obj("function", required=True)
         assert fo is not None
         args = fo.raw("arguments")
         if args is None:
             args = "{}"
         elif not isinstance(args, (str, dict)):
-            raise fo.err("arguments", f"must be a JSON string (got {_show(args)})")
+            raise fo.err("arguments", f"must be a JSON string (got {show(args)})")
         else:
             check_free_json(args, fo.param("arguments"))
         out.append(
@@ -463,10 +333,10 @@ def _parse_tool_calls(o: _Obj) -> list[dict[str, Any]] | None:
 
 
 def _parse_message(raw: Any, p: str) -> dict[str, Any]:
-    o = _Obj(raw, p)
+    o = JsonFields(raw, p)
     role = o.get_str("role", required=True)
     if role not in CHAT_ROLES:
-        raise o.err("role", f"must be one of {', '.join(CHAT_ROLES)} (got {_show(role)})")
+        raise o.err("role", f"must be one of {', '.join(CHAT_ROLES)} (got {show(role)})")
     msg: dict[str, Any] = {
         "role": "system" if role == "developer" else role,
         "content": _parse_content(o, role),
@@ -486,7 +356,7 @@ def _parse_message(raw: Any, p: str) -> dict[str, Any]:
     return msg
 
 
-def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
+def _parse_tools(o: JsonFields) -> list[dict[str, Any]] | None:
     tools = o.get_list("tools")
     if not tools:
         return None
@@ -494,10 +364,10 @@ def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
     out: list[dict[str, Any]] = []
     names: set[str] = set()
     for i, raw in enumerate(tools):
-        to = _Obj(raw, o.param(f"tools[{i}]"))
+        to = JsonFields(raw, o.param(f"tools[{i}]"))
         kind = to.get_str("type", required=True)
         if kind != "function":
-            raise to.err("type", f"only 'function' tools are supported (got {_show(kind)})")
+            raise to.err("type", f"only 'function' tools are supported (got {show(kind)})")
         fo = to.get_obj("function", required=True)
         assert fo is not None
         name = fo.get_str("name", required=True, allow_empty=False)
@@ -505,7 +375,7 @@ def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
         if len(name) > MAX_TOOL_NAME:
             raise fo.err("name", f"must be at most {MAX_TOOL_NAME} characters (got {len(name)})")
         if name in names:
-            raise fo.err("name", f"duplicates another tool's name ({_show(name)})")
+            raise fo.err("name", f"duplicates another tool's name ({show(name)})")
         names.add(name)
         fn: dict[str, Any] = {"name": name}
         description = fo.get_str("description")
@@ -520,33 +390,33 @@ def _parse_tools(o: _Obj) -> list[dict[str, Any]] | None:
     return out
 
 
-def _parse_tool_choice(o: _Obj, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
+def _parse_tool_choice(o: JsonFields, tools: list[dict[str, Any]] | None) -> str | dict[str, Any]:
     v = o.raw("tool_choice")
     if v is None:
         return "auto" if tools else "none"
     if isinstance(v, str):
         if v not in TOOL_CHOICES:
             raise o.err(
-                "tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a function (got {_show(v)})"
+                "tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a function (got {show(v)})"
             )
         if v != "none" and not tools:
             raise o.err("tool_choice", "is only allowed when 'tools' are specified")
         return v
-    co = _Obj(v, o.param("tool_choice"))
+    co = JsonFields(v, o.param("tool_choice"))
     if co.raw("type") != "function":
-        raise co.err("type", f"must be 'function' (got {_show(co.raw('type'))})")
+        raise co.err("type", f"must be 'function' (got {show(co.raw('type'))})")
     fo = co.get_obj("function", required=True)
     assert fo is not None
     name = fo.get_str("name", required=True)
     if name not in {t["function"]["name"] for t in tools or []}:
-        raise fo.err("name", f"names no function in 'tools' (got {_show(name)})")
+        raise fo.err("name", f"names no function in 'tools' (got {show(name)})")
     return {"type": "function", "function": {"name": name}}
 
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def _parse_response_format(o: _Obj) -> dict[str, Any] | None:
+def _parse_response_format(o: JsonFields) -> dict[str, Any] | None:
     """response_format as OpenAI defines it; None for text. The schema is checked as JSON here and
     compiled by the tokenizer worker (a schema it cannot compile is a 400 from there)."""
     rf = o.get_obj("response_format")
@@ -554,7 +424,7 @@ def _parse_response_format(o: _Obj) -> dict[str, Any] | None:
         return None
     kind = rf.raw("type", required=True)
     if kind not in RESPONSE_FORMATS:
-        raise rf.err("type", f"must be one of {', '.join(RESPONSE_FORMATS)} (got {_show(kind)})")
+        raise rf.err("type", f"must be one of {', '.join(RESPONSE_FORMATS)} (got {show(kind)})")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -567,15 +437,15 @@ def _parse_response_format(o: _Obj) -> dict[str, Any] | None:
     if schema is None:
         schema = {}
     if not isinstance(schema, dict):
-        raise js.err("schema", f"must be a JSON schema object (got {_show(schema)})")
+        raise js.err("schema", f"must be a JSON schema object (got {show(schema)})")
     check_free_json(schema, js.param("schema"))
     strict = js.raw("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise js.err("strict", f"must be a boolean (got {_show(strict)})")
+        raise js.err("strict", f"must be a boolean (got {show(strict)})")
     return {"type": "json_schema", "schema": json.dumps(schema, ensure_ascii=False), "strict": bool(strict)}
 
 
-def _read_stream(o: _Obj) -> tuple[bool, bool]:
+def _read_stream(o: JsonFields) -> tuple[bool, bool]:
     """(stream, include_usage); stream_options is only allowed with stream, as OpenAI requires."""
     stream = o.get_bool("stream", False)
     so = o.get_obj("stream_options")
@@ -586,7 +456,7 @@ def _read_stream(o: _Obj) -> tuple[bool, bool]:
     return stream, so.get_bool("include_usage", False)
 
 
-def _read_template_kwargs(o: _Obj) -> dict[str, Any]:
+def _read_template_kwargs(o: JsonFields) -> dict[str, Any]:
     """chat_template_kwargs: template variables only (the template itself comes from the model or the
     administrator's model.chat_template, never from a request)."""
     effort = _read_reasoning_effort(o)
@@ -602,7 +472,7 @@ def _read_template_kwargs(o: _Obj) -> dict[str, Any]:
             raise ctk.err(key, why)
         if not key.isidentifier() or len(key) > MAX_TEMPLATE_KWARG_NAME:
             raise bad_request(f"'{ctk.path}' keys must be identifiers of at most {MAX_TEMPLATE_KWARG_NAME} "
-                              f"characters (got {_show(key)})", ctk.path)
+                              f"characters (got {show(key)})", ctk.path)
     if ctk.raw("enable_thinking") is not None:
         ctk.get_bool("enable_thinking", True)
     kwargs = dict(check_free_json(ctk.d, ctk.path))
@@ -611,24 +481,24 @@ def _read_template_kwargs(o: _Obj) -> dict[str, Any]:
     return kwargs
 
 
-def _read_reasoning_effort(o: _Obj) -> bool | None:
+def _read_reasoning_effort(o: JsonFields) -> bool | None:
     """`reasoning_effort` as the enable_thinking it implies (False for none / minimal); None when absent or
     when it leaves thinking as the template has it (low / medium / high); a 400 naming the allowed values."""
     effort = o.get_str("reasoning_effort")
     if effort is None:
         return None
     if effort not in REASONING_EFFORTS:
-        raise o.err("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)} (got {_show(effort)})")
+        raise o.err("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)} (got {show(effort)})")
     return REASONING_EFFORTS[effort]
 
 
 def parse_chat_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> ChatRequest:
     """Validate a /v1/chat/completions body."""
-    o = _Obj(body)
+    o = JsonFields(body)
     o.refuse(UNSUPPORTED_CHAT_FIELDS)
     modalities = o.raw("modalities")
     if modalities is not None and modalities != ["text"]:
-        raise o.err("modalities", f"only ['text'] is supported (got {_show(modalities)})")
+        raise o.err("modalities", f"only ['text'] is supported (got {show(modalities)})")
     messages = o.get_list("messages", required=True)
     if not messages:
         raise o.err("messages", "must not be empty")
@@ -689,26 +559,26 @@ def _check_batch(v: list[Any], p: str) -> None:
         raise bad_request(f"'{p}' may hold at most {MAX_BATCH} prompts (got {len(v)})", p)
 
 
-def _read_prompts(o: _Obj, key: str, what: str) -> list[str | list[int]]:
+def _read_prompts(o: JsonFields, key: str, what: str) -> list[str | list[int]]:
     """A string, an array of strings, an array of token ids or an array of arrays of token ids."""
     v, p = o.raw(key, required=True), o.param(key)
     if isinstance(v, str):
-        return [_as_str(v, p, allow_empty=False)]
+        return [as_str(v, p, allow_empty=False)]
     if not isinstance(v, list) or not v:
-        raise bad_request(f"'{p}' must be {what} (got {_show(v)})", p)
+        raise bad_request(f"'{p}' must be {what} (got {show(v)})", p)
     if isinstance(v[0], (int, float)) and not isinstance(v[0], bool):
-        return [_as_token_ids(v, p)]
+        return [as_token_ids(v, p)]
     _check_batch(v, p)
     if isinstance(v[0], str):
-        return [_as_str(s, f"{p}[{i}]", allow_empty=False) for i, s in enumerate(v)]
+        return [as_str(s, f"{p}[{i}]", allow_empty=False) for i, s in enumerate(v)]
     if isinstance(v[0], list):
-        return [_as_token_ids(ids, f"{p}[{i}]") for i, ids in enumerate(v)]
-    raise bad_request(f"'{p}' must be {what} (got an array of {_show(v[0])})", p)
+        return [as_token_ids(ids, f"{p}[{i}]") for i, ids in enumerate(v)]
+    raise bad_request(f"'{p}' must be {what} (got an array of {show(v[0])})", p)
 
 
 def parse_completion_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> CompletionRequest:
     """Validate a /v1/completions body."""
-    o = _Obj(body)
+    o = JsonFields(body)
     o.refuse({} if o.raw("suffix") == "" else UNSUPPORTED_COMPLETION_FIELDS)
     prompts = _read_prompts(
         o, "prompt", "a string, an array of strings, or token ids (array or array of arrays)"
@@ -761,20 +631,20 @@ class GenerateRequest(_SamplingRequest):
 
 
 def _as_rid(v: Any, p: str) -> str:
-    rid = _as_str(v, p, allow_empty=False)
+    rid = as_str(v, p, allow_empty=False)
     if len(rid) > MAX_RID_LEN:
         raise bad_request(f"'{p}' must be at most {MAX_RID_LEN} characters", p)
     return rid
 
 
-def _read_rids(o: _Obj, is_batch: bool, size: int) -> list[str] | None:
+def _read_rids(o: JsonFields, is_batch: bool, size: int) -> list[str] | None:
     v, p = o.raw("rid"), o.param("rid")
     if v is None:
         return None
     if not is_batch:
         return [_as_rid(v, p)]
     if not isinstance(v, list) or len(v) != size:
-        raise bad_request(f"'{p}' must be an array of {size} strings for a batch (got {_show(v)})", p)
+        raise bad_request(f"'{p}' must be an array of {size} strings for a batch (got {show(v)})", p)
     rids = [_as_rid(r, f"{p}[{i}]") for i, r in enumerate(v)]
     if len(set(rids)) != len(rids):
         raise bad_request(f"'{p}' must not repeat an id", p)
@@ -783,7 +653,7 @@ def _read_rids(o: _Obj, is_batch: bool, size: int) -> list[str] | None:
 
 def parse_generate_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     """Validate a native /generate body (SGLang-style ``text``/``input_ids`` + ``sampling_params``)."""
-    o = _Obj(body)
+    o = JsonFields(body)
     has_text, has_ids = o.raw("text") is not None, o.raw("input_ids") is not None
     if has_text == has_ids:
         raise o.err("text", "or 'input_ids' is required (exactly one of them)")
@@ -794,19 +664,19 @@ def parse_generate_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> Genera
         is_batch = isinstance(v, list)
         if is_batch:
             _check_batch(v, "text")
-            texts = [_as_str(t, f"text[{i}]", allow_empty=False) for i, t in enumerate(v)]
+            texts = [as_str(t, f"text[{i}]", allow_empty=False) for i, t in enumerate(v)]
         else:
-            texts = [_as_str(v, "text", allow_empty=False)]
+            texts = [as_str(v, "text", allow_empty=False)]
     else:
         v = o.raw("input_ids")
         is_batch = isinstance(v, list) and bool(v) and isinstance(v[0], list)
         if is_batch:
             _check_batch(v, "input_ids")
-            input_ids = [_as_token_ids(ids, f"input_ids[{i}]") for i, ids in enumerate(v)]
+            input_ids = [as_token_ids(ids, f"input_ids[{i}]") for i, ids in enumerate(v)]
         else:
-            input_ids = [_as_token_ids(v, "input_ids")]
+            input_ids = [as_token_ids(v, "input_ids")]
     size = len(texts if texts is not None else input_ids or [])
-    sp = o.get_obj("sampling_params") or _Obj({}, "sampling_params")
+    sp = o.get_obj("sampling_params") or JsonFields({}, "sampling_params")
     for key in sp.d:
         if key not in GENERATE_SAMPLING_KEYS:
             raise sp.err(
