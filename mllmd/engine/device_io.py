@@ -12,12 +12,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 
 def to_device(data: Any, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A tensor of `data` (nested lists or a CPU tensor) on `device`, without a host sync on CUDA."""
+    """A tensor of `data` (nested lists, a numpy array or a CPU tensor) on `device`, without a host sync
+    on CUDA."""
     dev = torch.device(device)
+    if isinstance(data, np.ndarray):  # torch.tensor(array, pin_memory=True) refuses numpy input
+        data = torch.from_numpy(np.ascontiguousarray(data))
     if dev.type != "cuda":
         if isinstance(data, torch.Tensor):
             return data.to(device=dev, dtype=dtype)
