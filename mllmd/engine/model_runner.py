@@ -122,7 +122,10 @@ class ModelRunner:
         with torch.device(self.device):
             self.model = model_cls(hf_config, dtype, **model_kwargs)
         self.model.load_weights(iter_weights(config.model_path))
-        self.model.eval()
+        # inference only: no parameter records autograd history, also where a module runs outside an
+        # inference_mode step (the vision tower runs while a step is prepared; torch's nn.Linear and
+        # nn.LayerNorm there made their parameters require grad, and every cached image kept its graph)
+        self.model.eval().requires_grad_(False)
         plan_fusions(self.model, kv_dtype=dtype)  # the KV pool holds the model's dtype
         text_config = getattr(hf_config, "text_config", hf_config)
         max_ctx = int(getattr(text_config, "max_position_embeddings", 32768))
