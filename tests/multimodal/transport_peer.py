@@ -53,18 +53,24 @@ class Peer:
         self.sender: TensorSender | None = None
 
     def recv(self, data: bytes, device: str, delay: int = 0) -> list:
+        """[digest, acks polled right after receive, acks once the copy has run, whether the delay (a GPU
+        sleep queued before the copy) was still running when the first poll had been taken, or None]"""
         handle = _handle.decode(data)
+        slept = None
         if delay:
             cs = self.receiver._cuda().stream(torch.device(device).index or 0)
             with torch.cuda.stream(cs):
                 torch.cuda._sleep(delay)
+                slept = torch.cuda.Event()
+                slept.record(cs)
         t = self.receiver.receive(handle, device)
         early = _ids(self.receiver.pending_acks())
+        held = None if slept is None else not slept.query()
         d = tensor_digest(t)  # a copy to the host: synchronises the current stream, ordered after the copy
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         del t
-        return [d, early, _ids(self.receiver.pending_acks())]
+        return [d, early, _ids(self.receiver.pending_acks()), held]
 
     def mem(self) -> list:
         if not torch.cuda.is_available():
