@@ -5,6 +5,9 @@ A tiny random Qwen3-VL built from the real 2B config (4 vision blocks, deepstack
 images resized), and transformers fed the same ids with its own image processor's pixel values. Cases:
 text only, an image first / in the middle / last, two images of different sizes, an RGBA PNG, a grey
 image, a chunk boundary inside an image, concurrent requests with different images, and preemption.
+The engine runs on the CPU here also where CUDA is present, as transformers does: tokens compared
+across devices can part at a near-tie (one did on the H200). tests/engine/test_gpu_hybrid.py compares
+the two on CUDA.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def hf(model: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def llm(model: Path) -> LLM:
-    return LLM(str(model), dtype="float32")
+    return LLM(str(model), device="cpu", dtype="float32")
 
 
 def smooth(width: int, height: int, seed: int) -> Image.Image:
@@ -139,7 +142,7 @@ def test_chunk_boundary_inside_an_image_and_concurrent_requests(model: Path, hf:
     recomputed: each request's tokens equal its own transformers run."""
     convs = [messages_for(*CASES[c]) for c in ("image_first", "image_middle", "two_images", "text_only")]
     wants = [hf_greedy(hf, llm, conv, CASES[c][1]) for conv, c in zip(convs, ("image_first", "image_middle", "two_images", "text_only"))]
-    small = LLM(str(model), dtype="float32", chunked_prefill_size=7, max_total_tokens=260)
+    small = LLM(str(model), device="cpu", dtype="float32", chunked_prefill_size=7, max_total_tokens=260)
     outs = small.chat(convs, GREEDY)
     assert [o.token_ids for o in outs] == wants
     assert small.engine.scheduler.stats.preemptions > 0, "the pool was meant to force preemptions"
@@ -175,7 +178,7 @@ def test_encoder_budget_spreads_images_over_steps(model: Path, hf: Any, llm: LLM
     calls: list[int] = []
     real = VisionRunner.encode
     monkeypatch.setattr(VisionRunner, "encode", lambda self, images: calls.append(len(images)) or real(self, images))
-    budgeted = LLM(str(model), dtype="float32", max_encoder_tokens_per_step=1)
+    budgeted = LLM(str(model), device="cpu", dtype="float32", max_encoder_tokens_per_step=1)
     assert [o.token_ids for o in budgeted.chat(convs, GREEDY)] == wants
     assert calls == [1, 1, 1, 1], calls  # four distinct images, one per step
     calls.clear()
@@ -185,3 +188,15 @@ def test_encoder_budget_spreads_images_over_steps(model: Path, hf: Any, llm: LLM
     hits = vision.cache.hits
     assert budgeted.chat(convs[1], GREEDY)[0].token_ids == wants[1]
     assert calls == [] and vision.cache.hits > hits
+
+
+def test_cached_image_outputs_hold_no_autograd_graph(llm: LLM) -> None:
+    """The tower runs while a step is prepared, outside the forward's inference mode: no parameter may
+    require grad, or each cached image's rows would keep every activation of its encode alive (beyond
+    cache.encoder_cache_mb) and the tower would record a graph on every call."""
+    llm.chat(messages_for([text("Caption:"), "A"], [smooth(64, 48, 12)]), SamplingParams(max_tokens=1, temperature=0))
+    vision = llm.engine.runner.vision
+    assert vision is not None and vision.cache._entries
+    assert not any(p.requires_grad for p in llm.engine.runner.model.parameters())
+    for embeds, deepstack in vision.cache._entries.values():
+        assert embeds.grad_fn is None and all(d.grad_fn is None for d in deepstack)
