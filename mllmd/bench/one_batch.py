@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mllmd import LLM, SamplingParams
+from mllmd.engine.request import EngineImage
 
 
 @dataclass
@@ -114,16 +115,19 @@ class _Profiler:
         Path(path).with_suffix(".txt").write_text(table + "\n\n" + table_cpu)
 
 
-def _add_requests(llm: LLM, prompts: list[list[int]], max_tokens: int) -> None:
+Images = list[list[EngineImage] | None]  # per prompt: its images over their runs of image tokens
+
+
+def _add_requests(llm: LLM, prompts: list[list[int]], max_tokens: int, images: Images | None = None) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, ids in enumerate(prompts):
-        llm.engine.add_request(f"bench-{time.monotonic_ns()}-{i}", ids, params)
+        llm.engine.add_request(f"bench-{time.monotonic_ns()}-{i}", ids, params, images[i] if images else None)
 
 
-def time_prefill(llm: LLM, prompts: list[list[int]]) -> float:
+def time_prefill(llm: LLM, prompts: list[list[int]], images: Images | None = None) -> float:
     """One prefill step of every prompt (one output token each), then the cache is flushed."""
     engine = llm.engine
-    _add_requests(llm, prompts, 1)
+    _add_requests(llm, prompts, 1, images)
     _sync(engine.runner.device)
     t0 = time.perf_counter()
     engine.step()
@@ -141,11 +145,12 @@ def time_engine(
     output_len: int,
     profile_path: str | None = None,
     profile_phase: str = "decode",
+    images: Images | None = None,
 ) -> CaseTiming:
     """Prefill every prompt in one step, then time each decode step (optionally under the profiler)."""
     engine = llm.engine
     device = engine.runner.device
-    _add_requests(llm, prompts, output_len)
+    _add_requests(llm, prompts, output_len, images)
     _sync(device)
     with _Profiler(profile_path if profile_phase == "prefill" else None, device):
         t0 = time.perf_counter()

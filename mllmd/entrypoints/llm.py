@@ -123,21 +123,22 @@ class LLM:
         parts (`{"type": "image_url", "image_url": {"url": ...}}` with a data URL, a local path or a
         file:// URL, or `{"type": "image", "image": <PIL image>}`) go to a vision-language model."""
         convs: list[list[dict[str, Any]]] = [messages] if messages and isinstance(messages[0], dict) else messages  # type: ignore[list-item]
+        built = [self.chat_prompt(conv, chat_template_kwargs) for conv in convs]
+        return self.generate([ids for ids, _ in built], sampling_params, [images for _, images in built])
+
+    def chat_prompt(
+        self, conv: list[dict[str, Any]], chat_template_kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[int], list[EngineImage] | None]:
+        """One conversation's prompt ids (chat template applied) and its images over their runs of image
+        tokens (None without images): what `chat` generates from."""
         kwargs = chat_template_kwargs or {}
-        ids: list[list[int]] = []
-        images: list[list[EngineImage] | None] = []
+        if not image_parts(conv):
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs)
+            return self.tokenizer.encode(text), None
         vision = self.engine.runner.vision
-        for conv in convs:
-            if not image_parts(conv):
-                text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True, **kwargs)
-                ids.append(self.tokenizer.encode(text))
-                images.append(None)
-                continue
-            if vision is None:
-                raise ValueError("the loaded model does not take images")
-            prompt = build_vision_prompt(self.tokenizer, conv, kwargs, vision.preprocess,
-                                         VisionTokenIds.from_config(self.engine.info.hf_config), self.image_limits)
-            ids.append(prompt.input_ids)
-            images.append([EngineImage(s, e - s, im.grid_thw, im.content_hash, im.pixels)
-                           for im, (s, e) in zip(prompt.images, prompt.image_spans)])
-        return self.generate(ids, sampling_params, images)
+        if vision is None:
+            raise ValueError("the loaded model does not take images")
+        prompt = build_vision_prompt(self.tokenizer, conv, kwargs, vision.preprocess,
+                                     VisionTokenIds.from_config(self.engine.info.hf_config), self.image_limits)
+        return prompt.input_ids, [EngineImage(s, e - s, im.grid_thw, im.content_hash, im.pixels)
+                                  for im, (s, e) in zip(prompt.images, prompt.image_spans)]
