@@ -10,8 +10,8 @@ CUDA with the static cache unless --hf-cache says otherwise), and each line carr
 
 On CUDA the device copy bandwidth is measured in the same run, and each line carries
 `roofline_fraction`: the bytes a decode step must read (the weights it multiplies with, plus the KV
-cache of every sequence at its mean length) over that bandwidth, divided by the measured median
-step. `--profile DIR` writes a torch profiler trace of each case's decode steps there (of its
+cache of every sequence at its mean length, and for hybrid models each sequence's recurrent state,
+read and written) over that bandwidth, divided by the measured median step. `--profile DIR` writes a torch profiler trace of each case's decode steps there (of its
 prefill with `--profile-phase prefill`). `--prefill-repeats N` times the prefill N times (one step
 each, cache flushed in between) and reports the median.
 """
@@ -81,6 +81,13 @@ def weight_bytes_per_step(model: Any) -> int:
     if getattr(model, "lm_head", None) is not None:
         skipped |= {id(m.weight) for name, m in model.named_modules() if name.split(".")[-1] == "embed_tokens"}
     return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skipped)
+
+
+def decode_step_bytes(weight_bytes: int, kv_per_token: int, state_rw_bytes: int, bs: int, input_len: int,
+                      output_len: int) -> float:  # fmt: skip
+    """Bytes one decode step must move: the weights, each sequence's KV cache at its mean length over
+    the decode steps, and (hybrid models) each sequence's recurrent state read and written."""
+    return weight_bytes + bs * (input_len + output_len / 2) * kv_per_token + bs * state_rw_bytes
 
 
 def random_prompts(bs: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = measure_copy_bandwidth(info.device) if is_cuda else None
     step_weight_bytes = weight_bytes_per_step(runner.model)
     kv_per_token = runner.kv_pool.bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype)
+    state_rw_bytes = 2 * runner.state_slot_bytes()  # hybrid models: each sequence's state, read and written
     hf_cache = args.hf_cache or ("static" if is_cuda else None)
     if hf_cache == "default":  # transformers' dynamic cache
         hf_cache = None
@@ -289,9 +297,11 @@ def main(argv: list[str] | None = None) -> None:
         )
         if bandwidth is not None:
             kv_bytes = bs * (ilen + olen / 2) * kv_per_token  # mean context over the decode steps
-            floor = (step_weight_bytes + kv_bytes) / bandwidth
+            floor = decode_step_bytes(step_weight_bytes, kv_per_token, state_rw_bytes, bs, ilen, olen) / bandwidth
             line["copy_bandwidth_gbps"] = bandwidth / 1e9
             line["kv_bytes_per_step"] = int(kv_bytes)
+            if state_rw_bytes:
+                line["state_bytes_per_step"] = bs * state_rw_bytes
             line["roofline_step_latency"] = floor
             line["roofline_fraction"] = floor / ours["median_decode_latency"]
         if trace is not None:

@@ -44,3 +44,19 @@ def test_hf_baseline_fields_are_ratios_of_the_same_run(tmp_path: Path) -> None:
     assert line["hf_median_decode_latency"] > 0 and line["hf_prefill_latency"] > 0 and line["hf_cache"] is None
     assert line["hf_ratio"] == line["median_decode_throughput"] / line["hf_decode_throughput"]
     assert line["hf_prefill_ratio"] == line["prefill_throughput"] / (8 / line["hf_prefill_latency"])
+
+
+def test_decode_floor_counts_weights_kv_and_the_recurrent_state() -> None:
+    """The roofline's bytes: the weights once, each sequence's KV at its mean length over the decode
+    steps, and each sequence's recurrent state read and written (Qwen3.5's 48 MiB a slot moves twice)."""
+    slot = 48 << 20
+    assert one_batch.decode_step_bytes(10_000, 100, 0, 1, 128, 64) == 10_000 + (128 + 32) * 100
+    assert one_batch.decode_step_bytes(10_000, 100, 2 * slot, 64, 128, 64) == 10_000 + 64 * 160 * 100 + 64 * 2 * slot
+
+
+def test_state_bytes_of_a_hybrid_model_match_its_pool(tmp_path: Path) -> None:
+    from mllmd import LLM
+
+    model = build_tiny_checkpoint(tmp_path / "q35", "Qwen3.5-0.8B", num_hidden_layers=4)  # 3 linear + 1 full
+    runner = LLM(str(model), device="cpu", dtype="float32", max_total_tokens=256).engine.runner
+    assert runner.state_pool is not None and runner.state_slot_bytes() == runner.state_pool.slot_bytes > 0
