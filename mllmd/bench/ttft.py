@@ -8,9 +8,10 @@ and times `LLM.generate` from the call to its return: admission, the prefill ste
 token's sampling, as a chat turn's first token costs in process. One JSON line per (model, length):
 the median and every repeat, and on CUDA the floor measured in the same run, the larger of the
 weights read once at the device's copy bandwidth and the prompt's matmul FLOPs at the device's
-measured bf16 GEMM rate, with `floor_fraction` = floor / median. `--baseline hf` times transformers'
-forward of the same prompt on the same weights (not for quantized checkpoints). Ends with a table
-(lengths across, models down).
+measured bf16 GEMM rate, with `floor_fraction` = floor / median. `host_us` is the host's share (the
+wall time less the waits for the device's results) and `host_cpu_us` the thread's CPU time, medians
+over the repeats. `--baseline hf` times transformers' forward of the same prompt on the same weights
+(not for quantized checkpoints). Ends with a table (lengths across, models down).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mllmd import LLM, SamplingParams
 from mllmd.bench.one_batch import _sync, measure_copy_bandwidth, random_prompts, weight_bytes_per_step
+from mllmd.engine import device_io
 
 
 def measure_matmul_flops(device: torch.device, n: int = 8192) -> float:
@@ -52,14 +55,49 @@ def parse_model(spec: str) -> tuple[str, str]:
     return label, path
 
 
-def time_first_token(llm: LLM, ids: list[int]) -> float:
-    """Seconds from `generate` to its return with one output token."""
+class DeviceWaits:
+    """Seconds the host spends waiting for the device's results (PendingFetch.wait, the engine's one
+    wait point) while inside the block: the rest of a call's wall time is host work."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> DeviceWaits:
+        real = self._real = device_io.PendingFetch.wait
+
+        def timed(fetch: device_io.PendingFetch) -> list[list[Any] | None]:
+            t0 = time.perf_counter()
+            try:
+                return real(fetch)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        device_io.PendingFetch.wait = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        device_io.PendingFetch.wait = self._real  # type: ignore[method-assign]
+
+
+@dataclass
+class FirstToken:
+    seconds: float  # from `generate` to its return
+    host_seconds: float  # of which the host worked (not waiting for the device)
+    cpu_seconds: float  # the calling thread's CPU time
+
+
+def time_first_token(llm: LLM, ids: list[int]) -> FirstToken:
+    """`generate` of one output token: wall time, host time (wall minus the waits for the device) and
+    thread CPU time. On the CPU the host time includes the model's arithmetic."""
     device = llm.engine.runner.device
     _sync(device)
+    c0 = time.thread_time()
     t0 = time.perf_counter()
-    llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    with DeviceWaits() as waits:
+        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     _sync(device)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    return FirstToken(wall, wall - waits.seconds, time.thread_time() - c0)
 
 
 def time_hf_first_token(model: Any, ids: list[int], device: torch.device) -> float:
@@ -90,16 +128,21 @@ def bench_model(label: str, path: str, args: argparse.Namespace, hw: dict[str, f
         for _ in range(args.warmup):
             seed += 1
             time_first_token(llm, random_prompts(1, n, vocab, seed)[0])
-        ours, theirs = [], []
+        ours: list[FirstToken] = []
+        theirs = []
         for _ in range(args.repeats):
             seed += 1
             ids = random_prompts(1, n, vocab, seed)[0]
             ours.append(time_first_token(llm, ids))
             if hf is not None:
                 theirs.append(time_hf_first_token(hf, ids, runner.device))
-        med = statistics.median(ours)
+        med = statistics.median(t.seconds for t in ours)
         row: dict[str, Any] = {"run_name": args.run_name, "model": label, "input_len": n, "repeats": args.repeats,
-                               "ttft_ms": round(med * 1e3, 3), "ttft_ms_all": [round(t * 1e3, 3) for t in ours],
+                               "ttft_ms": round(med * 1e3, 3), "ttft_ms_all": [round(t.seconds * 1e3, 3) for t in ours],
+                               # host work of the whole first token (admission, prefill step, sampling):
+                               # what a slower host (Jetson's cores) pays again
+                               "host_us": round(statistics.median(t.host_seconds for t in ours) * 1e6, 1),
+                               "host_cpu_us": round(statistics.median(t.cpu_seconds for t in ours) * 1e6, 1),
                                "device": runner.device.type, "weight_bytes": wbytes}
         if hw:
             floor = max(wbytes / hw["copy_bytes_per_s"], 2 * n_params * n / hw["matmul_flops"])
