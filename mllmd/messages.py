@@ -142,7 +142,7 @@ class TokenizeRequest(_Message, frozen=True):
     params: SamplingParams  # validated; max_tokens is set from `budget` once the prompt length is known
     budget: OutputBudget
     prompt_param: str = "messages"  # the request field named when the prompt is at fault
-    t_submit: float | None = None  # main's time.perf_counter() at submission (MLLMD_STEP_TRACE)
+    t_submit: float | None = None  # main's time.perf_counter() at submission (FirstTokenTimes, MLLMD_STEP_TRACE)
 
 
 class TokenizeOnly(_Message, frozen=True):
@@ -184,6 +184,22 @@ class GenerateRequest(_Message, frozen=True):
     meta: PromptMeta = PromptMeta()
     t_submit: float | None = None
     images: list[ImageInput] = []
+    t_tokenized: float | None = None  # when the tokenizer worker sent it (None: main sent token ids itself)
+
+
+class FirstTokenTimes(msgspec.Struct, frozen=True, array_like=True):
+    """A request's way to its first token, as time.perf_counter() readings of each process. On Linux
+    that clock is CLOCK_MONOTONIC, one clock for every process of the host, so differences across
+    processes are the time between the hops (main's metrics turn them into
+    mllmd_first_token_hop_seconds). Set on the first TokenOutput by the scheduler worker and carried
+    on the first TextOutput, with the detokenizer's time, to main."""
+
+    submitted: float  # main sent the request on (to the tokenizer, or a token prompt to the scheduler)
+    tokenized: float | None  # the tokenizer worker sent it to the scheduler (None: no tokenizer hop)
+    arrived: float  # the scheduler worker took it in
+    admitted: float  # the engine step that first scheduled it began
+    first_token: float  # the step that gave its first token had returned
+    detokenized: float | None = None  # the detokenizer sent its first text
 
 
 class AbortRequest(_Message, frozen=True):
@@ -223,6 +239,7 @@ class TokenOutput(msgspec.Struct, frozen=True, array_like=True):
     # alternatives, for each i
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    first_times: FirstTokenTimes | None = None  # on a request's first output, in the daemon
 
 
 class TokenOutputs(_Message, frozen=True):
@@ -265,6 +282,7 @@ class TextOutput(msgspec.Struct, frozen=True, array_like=True):
     logprobs: list[TokenLogprob] | None = None
     meta: PromptMeta = PromptMeta()
     prompt_logprobs: list[TokenLogprob] | None = None  # every prompt token's, on the first output
+    first_times: FirstTokenTimes | None = None  # the first output's way through the workers
 
 
 class TextOutputs(_Message, frozen=True):

@@ -283,6 +283,45 @@ async def discover_model(client: BenchClient) -> str:
     return str(data[0]["id"])
 
 
+HOP_METRIC = "mllmd_first_token_hop_seconds"
+
+
+async def scrape_hops(client: BenchClient) -> dict[str, tuple[float, float]] | None:
+    """hop -> (count, sum in seconds) of mllmd's first-token hop histogram (every model summed) from
+    GET /metrics; None where the server has no such metrics (another server, or /metrics refused)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with client.session.get(client.url("/metrics")) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+        families = list(text_string_to_metric_families(text))
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    out: dict[str, list[float]] = {}
+    for family in families:
+        for sample in family.samples:
+            if sample.name in (f"{HOP_METRIC}_count", f"{HOP_METRIC}_sum") and "hop" in sample.labels:
+                slot = out.setdefault(sample.labels["hop"], [0.0, 0.0])
+                slot[0 if sample.name.endswith("_count") else 1] += sample.value
+    return {hop: (c, t) for hop, (c, t) in out.items()} or None
+
+
+def hop_breakdown(before: dict[str, tuple[float, float]] | None,
+                  after: dict[str, tuple[float, float]] | None) -> dict[str, float] | None:
+    """Mean milliseconds of each first-token hop over the requests that reached their first token
+    between the two scrapes (hops in the server's order)."""
+    if not before or not after:
+        return None
+    out = {}
+    for hop, (count, total) in after.items():
+        c0, t0 = before.get(hop, (0.0, 0.0))
+        if count > c0:
+            out[hop] = round((total - t0) / (count - c0) * 1e3, 3)
+    return out or None
+
+
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
     """The dataset that the CLI options describe."""
     if args.token_ids_prompt and args.endpoint != "completions":
@@ -343,6 +382,7 @@ async def run_benchmark(
                 return await send_request(client, path, body)
 
         gaps = poisson_intervals(len(requests), args.request_rate, random.Random(args.seed))
+        hops_before = await scrape_hops(client)  # mllmd's per-hop first-token times, around the run
         tasks: list[asyncio.Task[RequestResult]] = []
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
@@ -356,6 +396,7 @@ async def run_benchmark(
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        hops = hop_breakdown(hops_before, await scrape_hops(client))
 
     result: dict[str, Any] = {
         "benchmark": "serving",
@@ -371,6 +412,8 @@ async def run_benchmark(
     result.update(compute_metrics(requests, results, duration))
     # the client's own CPU time over the run: near duration_s means the client, not the server, set the pace
     result["client_cpu_s"] = round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 3)
+    if hops is not None:  # mean ms of each hop of a new request to its first token (an mllmd server)
+        result["first_token_hops_ms"] = hops
     result["settings"] = settings(args, model)
     if getattr(args, "save_requests", None):
         save_request_timeline(args.save_requests, results)
@@ -408,6 +451,8 @@ def format_report(result: dict[str, Any]) -> str:
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E")):
         stats = " / ".join(fmt(result[f"{s}_{name}_ms"]) for s in ("mean", "p50", "p90", "p99"))
         rows.append((f"{label} mean/p50/p90/p99 (ms)", stats))
+    if result.get("first_token_hops_ms"):
+        rows.append(("First-token hops, mean (ms)", " / ".join(f"{hop} {ms:.2f}" for hop, ms in result["first_token_hops_ms"].items())))
     width = max(len(k) for k, _ in rows)
     lines = ["=" * 20 + " Serving Benchmark Result " + "=" * 20]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]

@@ -29,6 +29,8 @@ decode step 10-200 ms:
 - ``mllmd_request_prefill_time_seconds``: that step to the first output token (``TTFT_BUCKETS``)
 - ``mllmd_request_decode_time_seconds``: first token to finish (``E2E_BUCKETS``)
 - ``mllmd_model_load_seconds``: 0.5 s .. 1 h (``LOAD_BUCKETS``)
+- ``mllmd_first_token_hop_seconds{hop}``: 0.1 ms .. 5 min (``HOP_BUCKETS``), a new request's way to
+  its first token in ``FIRST_TOKEN_HOPS`` (from the processes' stamps, ``FirstTokenTimes``)
 
 The three phase histograms come from the scheduler worker (``EngineStats.timings``, per finished
 request). Every serving metric labelled by model is present from the moment a model is set: its
@@ -63,7 +65,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mllmd.messages import EngineStats, KVUsage, RequestTiming, TextOutput
+from mllmd.messages import EngineStats, FirstTokenTimes, KVUsage, RequestTiming, TextOutput
 
 if TYPE_CHECKING:
     from mllmd.telemetry.collector import TelemetrySnapshot
@@ -87,6 +89,26 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                  300.0, 600.0)
 LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0, 1800.0, 3600.0)
+HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+               5.0, 10.0, 30.0, 60.0, 300.0)
+# A new request's way to its first token, in order (FirstTokenTimes): main -> tokenizer worker
+# (tokenization and the chat template included), -> scheduler worker, waiting for admission, the
+# admitting step to the step that gave the first token, -> detokenizer (its text), -> main.
+FIRST_TOKEN_HOPS = ("tokenize", "to_scheduler", "queue", "prefill", "detokenize", "to_main")
+
+
+def first_token_hops(times: FirstTokenTimes, received: float) -> dict[str, float]:
+    """Seconds of each hop (FIRST_TOKEN_HOPS) of a first output that main received at `received` (the
+    same clock); a hop with no reading (no tokenizer for a token prompt) is left out, and its time
+    counts in the next hop."""
+    points = [("tokenize", times.tokenized), ("to_scheduler", times.arrived), ("queue", times.admitted),
+              ("prefill", times.first_token), ("detokenize", times.detokenized), ("to_main", received)]
+    hops, last = {}, times.submitted
+    for hop, at in points:
+        if at is not None:
+            hops[hop] = at - last
+            last = at
+    return hops
 
 MODEL = ("model_name",)
 # Cumulative scheduler counters (EngineStats field) -> counter attribute of Metrics.
@@ -213,6 +235,9 @@ class Metrics:
                                       MODEL, buckets=TTFT_BUCKETS, registry=r)
         self.decode_time = Histogram("mllmd_request_decode_time_seconds", "Time from the first token to finish",
                                      MODEL, buckets=E2E_BUCKETS, registry=r)
+        self.first_token_hop = Histogram("mllmd_first_token_hop_seconds",
+                                         "A new request's way to its first token, hop by hop (FIRST_TOKEN_HOPS)",
+                                         ("model_name", "hop"), buckets=HOP_BUCKETS, registry=r)
         self.model_load = Histogram("mllmd_model_load_seconds", "Model load time, start to ready", MODEL, buckets=LOAD_BUCKETS, registry=r)
         self._telemetry = _TelemetryExport()
         r.register(self._telemetry)
@@ -242,6 +267,8 @@ class Metrics:
             metric.labels(name)
         for reason in FINISH_REASONS:
             self.request_success.labels(name, reason)
+        for hop in FIRST_TOKEN_HOPS:
+            self.first_token_hop.labels(name, hop)
 
     def clear_model(self) -> None:
         """No model: drop `mllmd_model_info` and the serving gauges (counters keep their totals)."""
@@ -332,6 +359,11 @@ class Metrics:
         request is observed with :meth:`on_request_finished`. `arrival` uses `now`'s clock
         (time.monotonic by default)."""
         now = time.monotonic() if now is None else now
+        if item.first_times is not None:
+            name = self.model_name or ""
+            for hop, seconds in first_token_hops(item.first_times, time.perf_counter()).items():
+                if seconds >= 0 and math.isfinite(seconds):
+                    self.first_token_hop.labels(name, hop).observe(seconds)
         with self._lock:
             tl = self._timelines.get(rid)
             if tl is None:

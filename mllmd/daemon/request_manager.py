@@ -96,7 +96,7 @@ class RequestManager:
             self.reqs[s.rid] = s
         self.groups[group] = rids
         logger.debug("submit %s", group)
-        t_submit = time.perf_counter()  # for the scheduler's MLLMD_STEP_TRACE
+        t_submit = time.perf_counter()  # FirstTokenTimes.submitted; the scheduler's MLLMD_STEP_TRACE
         sent: list[str] = []
         try:
             if direct is None:

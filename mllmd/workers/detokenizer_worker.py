@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
+
+import msgspec
 
 from mllmd.messages import (
     DetokenizerInbox,
@@ -108,6 +111,8 @@ class Detokenizer:
             logprobs=self._logprob_entries(out),
             meta=self.meta.get(out.rid, PromptMeta()),
             prompt_logprobs=self._prompt_entries(out, self.prompts.pop(out.rid, [])),
+            first_times=None if out.first_times is None else msgspec.structs.replace(
+                out.first_times, detokenized=time.perf_counter()),
         )
         self.prompts.pop(out.rid, None)
         if finished:

@@ -12,6 +12,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import zmq
 
 from mllmd import knobs
@@ -19,6 +20,7 @@ from mllmd.messages import (
     AbortRequest,
     ControlResult,
     EngineStats,
+    FirstTokenTimes,
     FlushCache,
     GenerateRequest,
     KVUsage,
@@ -63,8 +65,10 @@ MAX_TIMINGS = 4096  # per stats message; beyond it the oldest are dropped (never
 
 class RequestClock:
     """When each request arrived in this worker, was first scheduled and gave its first token, so
-    that main can observe queue, prefill and decode time (EngineStats.timings). Seen from outside the
-    engine, between steps: a request found admitted after a step was scheduled at that step's start."""
+    that main can observe queue, prefill and decode time (EngineStats.timings) and each hop of the way
+    to the first token (FirstTokenTimes on the first output). Seen from outside the engine, between
+    steps: a request found admitted after a step was scheduled at that step's start. Times are
+    time.perf_counter() readings (the clock main and the tokenizer stamp their hops with)."""
 
     def __init__(self) -> None:
         from mllmd.engine.request import ReqStatus  # the engine is imported by run(), not at module import
@@ -73,29 +77,40 @@ class RequestClock:
         self.waiting: dict[str, float] = {}  # rid -> arrival
         self.admitted: dict[str, tuple[float, float]] = {}  # rid -> (arrival, admission)
         self.first: dict[str, tuple[float, float, float]] = {}  # rid -> (arrival, admission, first token)
+        self.origin: dict[str, tuple[float, float | None]] = {}  # rid -> (main's submit, tokenizer's send)
         self.done: list[RequestTiming] = []
 
-    def received(self, rid: str, now: float) -> None:
+    def received(self, rid: str, now: float, submitted: float | None = None, tokenized: float | None = None) -> None:
         self.waiting[rid] = now
+        if submitted is not None:
+            self.origin[rid] = (submitted, tokenized)
 
-    def after_step(self, engine: Any, outputs: list[Any], step_start: float, now: float) -> None:
+    def after_step(self, engine: Any, outputs: list[Any], step_start: float, now: float) -> list[Any]:
+        """Note the step's admissions, first tokens and finishes; returns `outputs` with FirstTokenTimes
+        on each request's first output (where main stamped its submission)."""
         if self.waiting:
             for rid in [r for r in self.waiting if (q := engine.reqs.get(r)) is None or q.status is not self.WAITING]:
                 self.admitted[rid] = (self.waiting.pop(rid), step_start)
-        for o in outputs:
+        for i, o in enumerate(outputs):
             if o.new_token_ids and o.rid in self.admitted:
-                self.first[o.rid] = (*self.admitted.pop(o.rid), now)
+                arrived, admitted = self.admitted.pop(o.rid)
+                self.first[o.rid] = (arrived, admitted, now)
+                origin = self.origin.pop(o.rid, None)
+                if origin is not None:
+                    outputs[i] = msgspec.structs.replace(o, first_times=FirstTokenTimes(*origin, arrived, admitted, now))
             if o.finished:
                 t = self.first.pop(o.rid, None)
                 self.admitted.pop(o.rid, None)
+                self.origin.pop(o.rid, None)
                 if t is not None:
                     self.done.append(RequestTiming(t[1] - t[0], t[2] - t[1], now - t[2]))
         if len(self.done) > MAX_TIMINGS:
             del self.done[: len(self.done) - MAX_TIMINGS]
+        return outputs
 
     def take(self, engine: Any) -> list[RequestTiming]:
         """The finished requests' timings since the last call; aborted requests are forgotten."""
-        for table in (self.admitted, self.first):
+        for table in (self.admitted, self.first, self.origin):
             for rid in [r for r in table if r not in engine.reqs]:
                 del table[rid]
         out, self.done = self.done, []
@@ -189,7 +204,7 @@ def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: 
             wctx.send_main(RequestFailed(msg.rid, "invalid_request", str(e), e.param))
             return
         if clock is not None:
-            clock.received(msg.rid, time.monotonic())
+            clock.received(msg.rid, time.perf_counter(), msg.t_submit, msg.t_tokenized)
         p = msg.params
         to_detok.send(encode(RegisterRequest(msg.rid, msg.input_ids, p.stop, p.skip_special_tokens, msg.meta)))
     elif isinstance(msg, AbortRequest):
@@ -255,10 +270,9 @@ def run(wctx: WorkerContext) -> None:
             handle(msg, engine, wctx, to_detok, receiver, clock)
             timeout = 0
         t1 = time.perf_counter()
-        step_start = time.monotonic()
         outputs = engine.step()
         t2 = time.perf_counter()
-        clock.after_step(engine, outputs, step_start, time.monotonic())
+        outputs = clock.after_step(engine, outputs, t1, t2)
         if outputs:
             to_detok.send(encode(TokenOutputs(outputs)))
         if receiver is not None:

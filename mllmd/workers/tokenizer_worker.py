@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -91,7 +92,8 @@ def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, co
     b = req.budget
     max_tokens = fit_max_tokens(b.requested, b.default, len(ids), context_length, req.prompt_param)
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
-    return [GenerateRequest(rid, ids, p, meta, req.t_submit, images() if images is not None else [])
+    sent = time.perf_counter()  # FirstTokenTimes.tokenized
+    return [GenerateRequest(rid, ids, p, meta, req.t_submit, images() if images is not None else [], sent)
             for rid, p in zip(req.rids, choice_params(params, len(req.rids)))]
 
 

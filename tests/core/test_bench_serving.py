@@ -360,3 +360,19 @@ def test_poisson_intervals() -> None:
     assert gaps == poisson_intervals(20000, rate, random.Random(0))
     assert gaps != poisson_intervals(20000, rate, random.Random(1))
     assert poisson_intervals(5, math.inf, random.Random(0)) == [0.0] * 5
+
+
+def test_hop_breakdown_is_the_mean_over_the_run() -> None:
+    from mllmd.bench.serving import hop_breakdown
+
+    before = {"queue": (2.0, 0.010), "prefill": (2.0, 0.100)}
+    after = {"queue": (6.0, 0.030), "prefill": (6.0, 0.300), "to_main": (4.0, 0.004)}
+    assert hop_breakdown(before, after) == {"queue": 5.0, "prefill": 50.0, "to_main": 1.0}
+    assert hop_breakdown(None, after) is None and hop_breakdown(before, before) is None
+
+
+def test_no_hops_from_a_server_without_them(server: tuple[FakeState, str]) -> None:
+    _, url = server
+    result = serving_main(["--base-url", url, "--num-prompts", "2", "--random-input-len", "4",
+                           "--random-output-len", "2", "--token-ids-prompt"])
+    assert "first_token_hops_ms" not in result

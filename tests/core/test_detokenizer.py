@@ -403,3 +403,25 @@ def test_detokenizer_worker_reset_drops_a_dead_schedulers_requests(tok) -> None:
     items = handle(detok, TokenOutputs([TokenOutput("new", ids, True, "length", 2, len(ids), 0)]))
     assert [(i.rid, i.text, i.finished) for i in items] == [("new", "Hello world", True)]
     assert not detok.states
+
+
+def test_worker_stamps_the_first_output_and_carries_it_to_main(tok) -> None:
+    """The detokenizer worker copies the scheduler's FirstTokenTimes onto the first TextOutput with its
+    own stamp, also when that output's text is held back (a split character); later outputs carry none."""
+    import time
+
+    from mllmd.messages import FirstTokenTimes, RegisterRequest, TokenOutput
+    from mllmd.workers.detokenizer_worker import Detokenizer
+
+    det = Detokenizer(tok)
+    det.register(RegisterRequest("r", [1, 2], [], True))
+    ids = tok.encode("𠜎", add_special_tokens=False)
+    assert len(ids) > 1  # its first token alone is part of a character
+    times = FirstTokenTimes(1.0, 1.1, 1.2, 1.3, 1.4)
+    before = time.perf_counter()
+    first = det.process(TokenOutput("r", ids[:1], False, None, 2, 1, 0, first_times=times))
+    assert first is not None and first.text == "" and first.first_times is not None
+    assert first.first_times.submitted == 1.0 and first.first_times.first_token == 1.4
+    assert before <= first.first_times.detokenized <= time.perf_counter()
+    later = det.process(TokenOutput("r", [200], True, "length", 2, 2, 0))
+    assert later is not None and later.first_times is None

@@ -308,6 +308,60 @@ def test_every_documented_series_is_there_and_the_phases_are_observed(d: Any, h:
         assert m[f"{p}_sum{{{label}}}"] >= 0
 
 
+def hop_counts(h: httpx.Client) -> dict[str, tuple[float, float]]:
+    """mllmd_first_token_hop_seconds: hop -> (count, sum)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(h.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name.startswith("mllmd_first_token_hop_seconds_") and sample.labels.get("model_name") == MODEL:
+                slot = out.setdefault(sample.labels["hop"], [0.0, 0.0])
+                if sample.name.endswith("_count"):
+                    slot[0] = sample.value
+                elif sample.name.endswith("_sum"):
+                    slot[1] = sample.value
+    return {hop: (c, t) for hop, (c, t) in out.items()}
+
+
+def test_first_token_hops_are_observed_per_request(d: Any, h: httpx.Client) -> None:
+    """A chat request passes every hop once (each observed when main gets its first output, no waiting
+    for stats); a token-ids prompt skips the tokenizer, and the hops' sum stays within the client's time."""
+    from mllmd.daemon.metrics import FIRST_TOKEN_HOPS
+
+    before = hop_counts(h)
+    assert set(before) == set(FIRST_TOKEN_HOPS)
+    t0 = time.perf_counter()
+    r = h.post(CHAT, json={"model": MODEL, "messages": MSG, "max_tokens": 2, "ignore_eos": True})
+    elapsed = time.perf_counter() - t0
+    assert r.status_code == 200
+    after = hop_counts(h)
+    for hop in FIRST_TOKEN_HOPS:
+        assert after[hop][0] == before[hop][0] + 1, hop
+    spent = sum(after[hop][1] - before[hop][1] for hop in FIRST_TOKEN_HOPS)
+    assert 0 < spent <= elapsed
+    r = h.post("/v1/completions", json={"model": MODEL, "prompt": [100, 200, 300], "max_tokens": 2})
+    assert r.status_code == 200
+    last = hop_counts(h)
+    assert last["tokenize"][0] == after["tokenize"][0]
+    assert all(last[hop][0] == after[hop][0] + 1 for hop in FIRST_TOKEN_HOPS if hop != "tokenize")
+
+
+def test_bench_serving_prints_the_hop_breakdown(d: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench.serving against mllmd reports the mean of each first-token hop over its timed requests."""
+    from mllmd.bench.serving import main as serving_main
+    from mllmd.daemon.metrics import FIRST_TOKEN_HOPS
+
+    result = serving_main(["--base-url", d.base_url, "--api-key", d.api_key, "--model", MODEL, "--num-prompts", "4",
+                           "--token-ids-prompt", "--vocab-size", "5000", "--random-input-len", "8",
+                           "--random-output-len", "2", "--random-range-ratio", "1", "--max-concurrency", "2",
+                           "--warmup-requests", "1"])
+    hops = result["first_token_hops_ms"]
+    assert list(hops) == [h for h in FIRST_TOKEN_HOPS if h != "tokenize"]  # token prompts skip the tokenizer
+    assert all(ms >= 0 for ms in hops.values())
+    assert "First-token hops, mean (ms)" in capsys.readouterr().out
+
+
 # ---- 10: while the boot model loads ------------------------------------------------------------
 def test_requests_while_the_boot_model_loads_get_503_loading(daemon_factory: Any) -> None:
     """The scheduler worker is held (SIGSTOP) as soon as it exists, so that the load cannot finish

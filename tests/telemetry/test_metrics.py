@@ -44,6 +44,7 @@ SERVING = {
     "mllmd_e2e_request_latency_seconds": "histogram",
     "mllmd_request_queue_time_seconds": "histogram",
     "mllmd_model_load_seconds": "histogram",
+    "mllmd_first_token_hop_seconds": "histogram",
 }
 
 
@@ -314,3 +315,40 @@ def test_series_exist_from_the_start_and_timings_are_observed() -> None:
     assert get(m, "mllmd_request_queue_time_seconds_sum", **MODEL) == pytest.approx(0.25)
     assert get(m, "mllmd_request_prefill_time_seconds_sum", **MODEL) == pytest.approx(0.6)
     assert get(m, "mllmd_request_decode_time_seconds_count", **MODEL) == 2
+
+
+def test_first_token_hops_from_the_processes_stamps() -> None:
+    """Each hop is the time between two stamps; a token prompt (no tokenizer hop) charges main -> the
+    scheduler to to_scheduler; the hops add up to submission -> main's receipt."""
+    from mllmd.daemon.metrics import FIRST_TOKEN_HOPS, first_token_hops
+    from mllmd.messages import FirstTokenTimes
+
+    t = FirstTokenTimes(10.0, 10.002, 10.003, 10.010, 10.050, 10.051)
+    hops = first_token_hops(t, 10.0515)
+    assert list(hops) == list(FIRST_TOKEN_HOPS)
+    want = {"tokenize": 0.002, "to_scheduler": 0.001, "queue": 0.007, "prefill": 0.040, "detokenize": 0.001,
+            "to_main": 0.0005}
+    assert hops == pytest.approx(want)
+    assert sum(hops.values()) == pytest.approx(0.0515)
+    direct = first_token_hops(FirstTokenTimes(10.0, None, 10.001, 10.002, 10.005, 10.006), 10.007)
+    assert "tokenize" not in direct and direct["to_scheduler"] == pytest.approx(0.001)
+
+
+def test_first_output_with_stamps_observes_every_hop() -> None:
+    import time
+
+    from mllmd.daemon.metrics import FIRST_TOKEN_HOPS
+    from mllmd.messages import FirstTokenTimes
+
+    m = loaded()
+    for hop in FIRST_TOKEN_HOPS:  # there from the start, empty
+        assert get(m, "mllmd_first_token_hop_seconds_count", hop=hop, **MODEL) == 0
+    now = time.perf_counter()
+    first = TextOutput("r", "", [1], False, None, None, None, 3, 1, 0,
+                       first_times=FirstTokenTimes(now - 0.5, now - 0.4, now - 0.3, now - 0.2, now - 0.1, now - 0.05))
+    m.on_output("r", first, arrival=0.0, now=1.0)
+    m.on_output("r", output("r", completion_tokens=2), arrival=0.0, now=1.1)  # later outputs carry none
+    for hop in FIRST_TOKEN_HOPS:
+        assert get(m, "mllmd_first_token_hop_seconds_count", hop=hop, **MODEL) == 1, hop
+    assert get(m, "mllmd_first_token_hop_seconds_sum", hop="prefill", **MODEL) == pytest.approx(0.1)
+    assert get(m, "mllmd_first_token_hop_seconds_sum", hop="to_main", **MODEL) >= 0.05
