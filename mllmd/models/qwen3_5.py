@@ -160,6 +160,8 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     @property
     def attention_shape(self) -> AttentionShape:
         full = [layer.self_attn for layer in self.decoder.layers if not layer.is_linear]
+        if not full:  # the KV pool is sized by the full-attention layers (a config the family never ships)
+            raise ValueError("the config's layer_types has no full_attention layer: this engine needs at least one")
         return AttentionShape(len(full), full[0].num_heads, full[0].num_kv_heads, full[0].head_dim)
 
     @property

@@ -148,3 +148,11 @@ def test_image_prompt(model: Path, hf: Any) -> None:
     want = hf_greedy(hf, ids, pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"],
                      mm_token_type_ids=(torch.tensor([ids]) == pad).long())
     assert got.token_ids == want
+
+
+def test_a_config_without_full_attention_is_refused_by_name(tmp_path: Path) -> None:
+    from mllmd import LLM
+
+    only_linear = ck.build_tiny_checkpoint(tmp_path / "linear", "Qwen3.5-0.8B", num_hidden_layers=2, head_dim=32)
+    with pytest.raises(ValueError, match="no full_attention layer"):
+        LLM(str(only_linear), device="cpu", dtype="float32", max_total_tokens=64)
