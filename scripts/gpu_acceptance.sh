@@ -142,6 +142,7 @@ if want tmaab; then  # the W8A8 8B 2,048-token prefill with and without the TMA 
 fi
 
 if want q35; then  # Qwen3.5 random-weight checkpoints at real shapes: decode (batch 1, 64) and a 2,048 prefill
+  # (Q35_W4A16=1: also the W4A16 checkpoint's batch-1 step)
   for src in ${Q35_SOURCES:-Qwen3.5-9B Qwen3.5-2B}; do
     path=/dev/shm/$(echo $src | tr A-Z. a-z-)
     stamp "$src: checkpoint"; build $src $path
@@ -151,6 +152,14 @@ if want q35; then  # Qwen3.5 random-weight checkpoints at real shapes: decode (b
     timeout ${Q35_TIMEOUT:-200} python3 -m mllmd.bench.one_batch --model-path $path --batch-size 1 --input-len 2048 \
       --output-len 4 --prefill-repeats 3 --baseline hf ${HF_CACHE:---hf-cache default} --run-name $src-prefill \
       --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-400
+    if [ "${Q35_W4A16:-0}" = 1 ]; then  # issue 32: the W4A16 batch-1 step against bf16's (RedHatAI's recipe)
+      stamp "$src: W4A16 (RedHatAI's ignore list) and its batch-1 step"
+      timeout 400 python3 -m mllmd.testing.quantize --base $path --out $path-w4a16 --scheme W4A16 \
+        --ignore redhat-qwen3.5 --device cuda >/dev/null
+      timeout 150 python3 -m mllmd.bench.one_batch --model-path $path-w4a16 --batch-size 1 --input-len 128 \
+        --output-len 64 --run-name $src-W4A16 --result-filename "$OUT/one_batch.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-400
+      rm -rf $path-w4a16
+    fi
     rm -rf $path
   done
 fi

@@ -102,6 +102,21 @@ def decompressed_reference(model_dir: Path) -> Any:
     return model.eval()
 
 
+def redhat_qwen3_5_ignore(config: dict[str, Any]) -> list[str]:
+    """RedHatAI's Qwen3.5 W4A16 recipe (RedHatAI/Qwen3.5-9B-quantized.w4a16's `ignore` list) for a
+    model of `config`'s layers and tower depth: the lm_head, the MTP head, the vision tower and the
+    Gated DeltaNet layers' projections stay in the float dtype."""
+    text, vision = config["text_config"], config["vision_config"]
+    names = ["lm_head", "re:^mtp.*", "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"]
+    for i, kind in enumerate(text["layer_types"]):
+        if kind == "linear_attention":
+            names += [f"model.language_model.layers.{i}.linear_attn.{p}"
+                      for p in ("out_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
+    for b in range(vision["depth"]):
+        names += [f"model.visual.blocks.{b}.{p}" for p in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
+    return names
+
+
 def _stored_dtype(base: Path) -> Any:
     """The float dtype of the base checkpoint's weights, from its config (float32 if it names none)."""
     import torch
@@ -128,10 +143,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--scale-dtype", default="model",
                     help="dtype of the stored scales: 'model' (the base checkpoint's, as llmcompressor does) or e.g. float32")
+    ap.add_argument("--ignore", choices=["lm_head", "redhat-qwen3.5"], default="lm_head",
+                    help="layers left unquantized: the lm_head, or RedHatAI's Qwen3.5 recipe (redhat_qwen3_5_ignore)")
     args = ap.parse_args(argv)
     overrides = {"group_size": args.group_size} if args.group_size else None
-    print(quantize_checkpoint(Path(args.base), Path(args.out), args.scheme, overrides, device=args.device,
-                              scale_dtype=args.scale_dtype))
+    ignore: tuple[str, ...] = ("lm_head",)
+    if args.ignore == "redhat-qwen3.5":
+        ignore = tuple(redhat_qwen3_5_ignore(json.loads((Path(args.base) / "config.json").read_text(encoding="utf-8"))))
+    print(quantize_checkpoint(Path(args.base), Path(args.out), args.scheme, overrides, ignore=ignore,
+                              device=args.device, scale_dtype=args.scale_dtype))
 
 
 if __name__ == "__main__":

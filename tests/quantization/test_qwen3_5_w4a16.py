@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from mllmd import LLM, SamplingParams
 from mllmd.testing import checkpoints as ck
-from mllmd.testing.quantize import decompressed_reference, quantize_checkpoint
+from mllmd.testing.quantize import decompressed_reference, quantize_checkpoint, redhat_qwen3_5_ignore
 
 REAL = "RedHatAI-Qwen3.5-9B-quantized.w4a16"
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -26,26 +25,13 @@ def _shape(name: str) -> str:
     return re.sub(r"\d+", "N", name)
 
 
-def redhat_style_ignore(config: dict[str, Any]) -> list[str]:
-    """The real checkpoint's ignore list for a model of `config`'s layers and tower depth."""
-    text, vision = config["text_config"], config["vision_config"]
-    names = ["lm_head", "re:^mtp.*", "model.visual.merger.linear_fc1", "model.visual.merger.linear_fc2"]
-    for i, kind in enumerate(text["layer_types"]):
-        if kind == "linear_attention":
-            names += [f"model.language_model.layers.{i}.linear_attn.{p}"
-                      for p in ("out_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
-    for b in range(vision["depth"]):
-        names += [f"model.visual.blocks.{b}.{p}" for p in ("attn.qkv", "attn.proj", "mlp.linear_fc1", "mlp.linear_fc2")]
-    return names
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base = ck.build_tiny_checkpoint(tmp_path_factory.mktemp("q35_base"), "Qwen3.5-0.8B", num_hidden_layers=4,
                                     hidden_size=128, intermediate_size=256, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=32, seed=21)  # fmt: skip
     config = json.loads((base / "config.json").read_text())
-    return quantize_checkpoint(base, tmp_path_factory.mktemp("q35_w4a16"), "W4A16", ignore=tuple(redhat_style_ignore(config)))
+    return quantize_checkpoint(base, tmp_path_factory.mktemp("q35_w4a16"), "W4A16", ignore=tuple(redhat_qwen3_5_ignore(config)))
 
 
 def test_the_recipe_is_the_real_checkpoints(checkpoint: Path) -> None:
