@@ -172,17 +172,51 @@ if want vl; then  # issue 31: Qwen3-VL-2B shape, one 1000x750 image in a 2,048-t
     --output-len 64 --repeats ${VL_REPEATS:-5} --baseline hf --run-name qwen3-vl-2b --result-filename "$OUT/vl.jsonl" 2>&1 | grep -E '^\{|Error'
 fi
 
-if want ab; then  # the refactor against the tree in .ab/old (same 8B weights, same run): decode and prefill
+if want ab; then  # issue 30: this tree against the one in .ab/old (same weights, same call), interleaved
+  # new, old, new, old: bf16 batch 1 and 64 decode and the 2,048 prefill, the W4A16 batch-1 step, and
+  # the host time of a batch-64 decode step with mixed sampling parameters (scripts/host_step_time.py,
+  # which runs unchanged on either tree); then bench.serving at 64 streams once per tree. About 15
+  # minutes in all: split it over two calls with AB_SERVE=0 and then AB_ROUNDS="" (serving alone)
   build Qwen3-8B $M8
-  for tree in new old; do
-    # python -m puts the working folder first on sys.path: run the old tree from its own folder
-    [ $tree = old ] && { dir=.ab/old; pp="$PWD/.ab/old:$PWD/.ab/old/kernels:$PWD/.device/kernels_site:/tmp/site"; } \
-      || { dir=.; pp=$PYTHONPATH; }
-    stamp "A/B $tree"
-    (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
-      --input-len 128 2048 --output-len 32 --prefill-repeats 3 --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" \
-      2>&1 | grep -E '^\{|Error' | cut -c1-300)
+  ROOT=$PWD
+  [ -f /dev/shm/q8-W4A16/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+    --out /dev/shm/q8-W4A16 --scheme W4A16 --device cuda >/dev/null
+  tree_env() {  # python -m puts the working folder first on sys.path: run the old tree from its own folder
+    if [ $1 = old ]; then dir=.ab/old; pp="$PWD/.ab/old:$PWD/.ab/old/kernels:$PWD/.device/kernels_site:/tmp/site"
+    else dir=.; pp=$PYTHONPATH; fi
+  }
+  for round in ${AB_ROUNDS-1 2}; do
+    for tree in new old; do
+      tree_env $tree
+      stamp "A/B round $round: $tree"
+      (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
+        --input-len 128 --output-len 32 --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300)
+      [ $round = 1 ] && (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 \
+        --batch-size 1 --input-len 2048 --output-len 4 --prefill-repeats 5 --run-name "ab-$tree-prefill" \
+        --result-filename "$OUT/ab.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300)
+      (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path /dev/shm/q8-W4A16 \
+        --batch-size 1 --input-len 128 --output-len 32 --run-name "ab-$tree-w4a16" --result-filename "$OUT/ab.jsonl" \
+        2>&1 | grep -E '^\{|Error' | cut -c1-300)
+      (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 "$ROOT/scripts/host_step_time.py" $M8 --device cuda \
+        --batch 64 --steps 32 --run-name "ab-$tree-host" 2>&1 | grep -E '^\{|Error' | tee -a "$OUT/ab.jsonl" | cut -c1-300)
+    done
   done
+  if [ "${AB_SERVE:-1}" = 1 ]; then
+    for tree in new old; do
+      tree_env $tree
+      stamp "A/B serving: $tree"
+      (cd $dir && PYTHONPATH=$pp exec python3 -m mllmd.cli --config /dev/null --model.path $M8 --server.port 30001 \
+        --server.unix_socket "" --scheduler.max_running_requests 64 >"$OUT/daemon-ab-$tree.log" 2>&1) &
+      DPID=$!
+      for _ in $(seq 1 180); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:30001/health', timeout=2)" 2>/dev/null && break; sleep 1; done
+      for rep in warm timed; do  # a fresh daemon's first round is slow (docs/benchmarks.md, structured)
+        timeout 120 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30001 --token-ids-prompt --vocab-size 151000 \
+          --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
+          --seed 3 --warmup-requests 4 --result-filename "$OUT/ab-serving-$tree-$rep.jsonl" 2>&1 | grep -E "Output throughput|ITL"
+      done
+      kill -TERM $DPID; wait $DPID
+    done
+  fi
 fi
 
 if want serve; then
