@@ -54,6 +54,13 @@ class EngineConfig:
         "waiting prompts fill a prefill chunk or the free request slots; 0: admit at once (on the H200, 20 ms "
         "gained nothing measurable with 64 streams)",
     )
+    max_decode_stall_ms: float = _f(
+        "scheduler", 0.0,
+        "while requests decode, cap a step's prefill tokens so that the step is expected to end within this "
+        "many ms (its cost per token learned from the steps run so far); a new prompt then takes more, "
+        "shorter chunks, at least 32 tokens each (needs chunked_prefill_size > 0); 0: off (chunked_prefill_size "
+        "alone bounds a chunk)",
+    )
     max_encoder_tokens_per_step: int = _f(
         "scheduler", 4096,
         "image tokens whose vision-encoder output a step may compute (a prefill chunk that needs more "
@@ -157,6 +164,7 @@ def validate(cfg: EngineConfig) -> None:
     at_least("max_prefill_tokens", 1)
     at_least("chunked_prefill_size", 0)
     at_least("prefill_wait_ms", 0)
+    at_least("max_decode_stall_ms", 0)
     at_least("cpu_kv_cache_max_tokens", 2)
     at_least("cpu_threads", 1)
     at_least("cuda_graph_max_bs", 1)

@@ -9,7 +9,7 @@ import concurrent.futures
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ from mllmd.engine.sampling import uses_output_penalties
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import Scheduler
+from mllmd.engine.step_cost import StepCostModel, StepTimer
 from mllmd.messages import TokenOutput
 from mllmd.sampling_params import OutputConstraint, SamplingParams
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
@@ -40,6 +41,7 @@ class _Launched:
     reqs: list[Req]
     positions: list[int]
     pending: PendingFetch
+    timers: list[StepTimer] = field(default_factory=list)  # scheduler.max_decode_stall_ms: steps to learn from
 
 
 def _drop_placeholders(req: Req) -> None:
@@ -78,7 +80,11 @@ class Engine:
             encoder_cost=self.runner.vision.uncached_tokens if self.runner.vision is not None else None,
             state_pool=states,
             snapshot_interval=config.state_snapshot_interval,
+            decode_stall_tokens=self._decode_stall_tokens if config.max_decode_stall_ms > 0 else None,
         )
+        # scheduler.max_decode_stall_ms: what steps cost per token, from the steps' own times
+        self.step_cost = StepCostModel() if config.max_decode_stall_ms > 0 else None
+        self._step_timers: list[StepTimer] = []  # steps timed since the last launched sampling
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
         ov = config.overlap_schedule
         self.overlap: bool = self.runner.device.type == "cuda" if ov is None else ov
@@ -166,6 +172,11 @@ class Engine:
         del self.reqs[rid]
         return True
 
+    def _decode_stall_tokens(self) -> int | None:
+        """The scheduler's cap while requests decode (scheduler.max_decode_stall_ms)."""
+        assert self.step_cost is not None
+        return self.step_cost.tokens_within(self.config.max_decode_stall_ms / 1e3)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
 
@@ -183,8 +194,12 @@ class Engine:
         launched = None
         sched = self.scheduler.schedule()
         if sched is not None:
+            timer = StepTimer.begin(sum(sched.extend_lens), self.runner.device) if self.step_cost is not None else None
             batch = self.runner.prepare(sched)
             logits = self.runner.forward(batch)
+            if timer is not None:
+                timer.stop()
+                self._step_timers = [*self._step_timers[-63:], timer]
             self.scheduler.commit(sched)
             sampling_reqs = [r for r, need in zip(sched.reqs, sched.needs_logits) if need]
             if batch.prompt_spans:  # their rows follow the sampling rows
@@ -232,7 +247,8 @@ class Engine:
             for r in reqs:
                 r.token_ids.append(PLACEHOLDER)
         pending = PendingFetch([out.next_token_ids, out.logprobs, out.top_logprob_ids, out.top_logprobs])
-        return _Launched(reqs, positions, pending)
+        timers, self._step_timers = self._step_timers, []  # their ends come before this fetch's event
+        return _Launched(reqs, positions, pending, timers)
 
     def _record_prompt_logprobs(self, spans: list[tuple[Req, int, int]], logits: torch.Tensor) -> None:
         """Prompt tokens' logprobs from this step's prompt rows (a host sync: only for requests that
@@ -270,6 +286,11 @@ class Engine:
         """Wait for a launched batch's tokens; record them, check stops, report."""
         next_ids, chosen_lp, top_ids, top_lps = launched.pending.wait()
         assert next_ids is not None
+        if self.step_cost is not None:
+            for timer in launched.timers:
+                seconds = timer.seconds()
+                if seconds is not None:
+                    self.step_cost.observe(timer.tokens, seconds)
         now = time.monotonic()
         results = []
         for i, (req, pos) in enumerate(zip(launched.reqs, launched.positions)):

@@ -21,6 +21,7 @@ from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import HybridRadixCache, PrefixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
 from mllmd.engine.state_pool import StatePool
+from mllmd.engine.step_cost import MIN_CAPPED_TOKENS
 
 # prompt tokens a step computes for a request that wants their logprobs: 512 rows of a 151,936-token
 # vocabulary are 311 MB of float32 logits
@@ -64,6 +65,7 @@ class Scheduler:
         encoder_cost: Callable[[EngineImage], int] | None = None,
         state_pool: StatePool | None = None,
         snapshot_interval: int = 0,
+        decode_stall_tokens: Callable[[], int | None] | None = None,
     ) -> None:
         """`encoder_cost(image)`: the vision-encoder tokens computing any of the image's rows costs now (0
         once its output is cached); a step's prefill chunks may need at most `encoder_tokens_per_step`
@@ -71,7 +73,10 @@ class Scheduler:
 
         Hybrid models: every admitted request takes a slot of `state_pool` for its recurrent state
         (none free: it waits), zeroed or copied from the prefix match's snapshot; prefill chunks end at
-        multiples of `snapshot_interval`, where the state is snapshotted for the prefix cache."""
+        multiples of `snapshot_interval`, where the state is snapshotted for the prefix cache.
+
+        `decode_stall_tokens()`: while requests decode, the most tokens a step may compute to stay within
+        the decode stall budget (None: no cap yet); prefill work always gets at least MIN_CAPPED_TOKENS."""
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
         self.cache = cache
@@ -84,6 +89,7 @@ class Scheduler:
         self.encoder_cost = encoder_cost
         self.state_pool = state_pool
         self.snapshot_interval = snapshot_interval if state_pool is not None else 0
+        self.decode_stall_tokens = decode_stall_tokens
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.stats = SchedulerStats()
@@ -199,7 +205,7 @@ class Scheduler:
         reqs: list[Req] = []
         lens: list[int] = []
         slots: list[torch.Tensor] = []
-        budget = self.max_prefill_tokens
+        budget = self._stall_capped(self.max_prefill_tokens)
         self._encoding: set[bytes] = set()  # images this step encodes
         self._encoder_left = self.encoder_tokens_per_step
 
@@ -286,6 +292,19 @@ class Scheduler:
         out_cache_loc = slots[0] if len(slots) == 1 else torch.cat(slots)  # one piece: no copy launch
         # The model runner writes the slots into the request table (ModelRunner.prepare).
         return ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
+
+    def _stall_capped(self, budget: int) -> int:
+        """The step's token budget under the decode stall cap: while requests decode, their tokens plus
+        the prefill work may not exceed what the cap allows, and prefill work keeps MIN_CAPPED_TOKENS."""
+        if self.decode_stall_tokens is None or self.chunk_size is None:  # unchunked prompts cannot be capped
+            return budget
+        decoding = sum(1 for r in self.running if len(r.token_ids) - r.kv_len == 1)
+        if not decoding:
+            return budget
+        cap = self.decode_stall_tokens()
+        if cap is None:
+            return budget
+        return min(budget, decoding + max(MIN_CAPPED_TOKENS, cap - decoding))
 
     def _hold_prefill(self) -> bool:
         """Whether this decode-only step should leave the waiting prompts for a later step.

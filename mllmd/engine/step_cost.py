@@ -1,0 +1,79 @@
+"""What a step costs per token it computes, learned from the steps that ran: the scheduler's measure
+for `scheduler.max_decode_stall_ms`.
+
+A step that carries a prefill chunk makes every running request wait for it: its next token comes
+only after the whole step. With a stall budget set, the scheduler caps a step's tokens while
+requests decode. It uses the seconds per token of recent steps that computed at least
+`MIN_OBSERVED_TOKENS` tokens, an exponential average. Counting a step's fixed cost into the
+per-token figure over-states it, so the cap errs on the short side. The time is the device's
+(CUDA events around the forward and the sampling, read once the step's tokens are in: no extra
+synchronisation) or, on the CPU, the host's wall time.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+MIN_OBSERVED_TOKENS = 64  # smaller steps are mostly fixed cost: they would inflate the per-token figure
+MIN_CAPPED_TOKENS = 32  # the cap never goes below this, so that a long prompt still makes progress
+SMOOTHING = 0.25  # weight of the newest step in the average
+
+
+class StepCostModel:
+    def __init__(self, smoothing: float = SMOOTHING) -> None:
+        self.smoothing = smoothing
+        self.seconds_per_token: float | None = None  # None until a step large enough was measured
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """A step that computed `tokens` tokens (prefill and decode rows alike) took `seconds`."""
+        if tokens < MIN_OBSERVED_TOKENS or not seconds > 0:
+            return
+        per = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = per if old is None else old + self.smoothing * (per - old)
+
+    def tokens_within(self, budget_s: float) -> int | None:
+        """The most tokens a step may compute to end within `budget_s` (at least MIN_CAPPED_TOKENS);
+        None while nothing has been measured (no cap yet)."""
+        per = self.seconds_per_token
+        if per is None:
+            return None
+        return max(MIN_CAPPED_TOKENS, int(budget_s / per))
+
+
+@dataclass
+class StepTimer:
+    """The time of one step's forward and sampling: CUDA events, or host wall time on the CPU."""
+
+    tokens: int
+    start: torch.cuda.Event | float
+    end: torch.cuda.Event | float | None = None
+
+    @classmethod
+    def begin(cls, tokens: int, device: torch.device) -> StepTimer:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return cls(tokens, event)
+        return cls(tokens, time.perf_counter())
+
+    def stop(self) -> None:
+        """After the step's last launch (on the CPU, after its last operation)."""
+        if isinstance(self.start, float):
+            self.end = time.perf_counter()
+        else:
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
+
+    def seconds(self) -> float | None:
+        """The step's time, once its tokens have reached the host (the end event has then completed)."""
+        if self.end is None:
+            return None
+        if isinstance(self.start, float):
+            assert isinstance(self.end, float)
+            return self.end - self.start
+        assert isinstance(self.end, torch.cuda.Event)
+        return self.start.elapsed_time(self.end) / 1e3

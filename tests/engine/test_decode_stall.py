@@ -1,0 +1,116 @@
+"""scheduler.max_decode_stall_ms: while requests decode, a step's tokens are capped by what the steps
+cost per token (StepCostModel, learned from the steps' own times), so a long new prompt comes in
+shorter chunks; the tokens are those of an uncapped run."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from mllmd import LLM, SamplingParams
+from mllmd.engine.step_cost import MIN_CAPPED_TOKENS, MIN_OBSERVED_TOKENS, StepCostModel, StepTimer
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 5000) for _ in range(n)]
+
+
+def capped_engine(model: Path, per_token_s: float | None) -> tuple[LLM, list[tuple[str, int]]]:
+    """An engine with a 5 ms stall budget whose cost model is frozen at `per_token_s`; returns it and a
+    log of each scheduled (request, tokens) row."""
+    llm = LLM(str(model), dtype="float32", device="cpu", max_total_tokens=4096, chunked_prefill_size=512,
+              max_decode_stall_ms=5.0)
+    cost = llm.engine.step_cost
+    assert cost is not None
+    cost.seconds_per_token = per_token_s
+    cost.observe = lambda tokens, seconds: None  # type: ignore[method-assign]  # frozen: the test sets it
+    rows: list[tuple[str, int]] = []
+    real = llm.engine.scheduler.schedule
+
+    def logged():  # type: ignore[no-untyped-def]
+        batch = real()
+        if batch is not None:
+            rows.extend((r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens))
+        return batch
+
+    llm.engine.scheduler.schedule = logged  # type: ignore[method-assign]
+    return llm, rows
+
+
+def run(llm: LLM, prompts: dict[str, list[int]], start_b_after: int = 3) -> dict[str, list[int]]:
+    engine = llm.engine
+    out: dict[str, list[int]] = {rid: [] for rid in prompts}
+    engine.add_request("a", prompts["a"], GREEDY)
+    for _ in range(start_b_after):
+        for o in engine.step():
+            out[o.rid] += o.new_token_ids
+    engine.add_request("b", prompts["b"], GREEDY)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.rid] += o.new_token_ids
+    assert engine.is_idle_and_clean()
+    return out
+
+
+def test_a_prompt_arriving_while_others_decode_comes_in_capped_chunks(qwen3_tied: Path) -> None:
+    prompts = {"a": ids(30, 1), "b": ids(300, 2)}
+    llm, rows = capped_engine(qwen3_tied, 0.05e-3)  # 0.05 ms a token: 100 tokens in 5 ms
+    got = run(llm, prompts)
+    b_chunks = [n for rid, n in rows if rid == "b" and n > 1]
+    assert b_chunks == [99, 99, 99, 3]  # 100 tokens a step, one of them a's decode
+    assert rows[0] == ("a", 30)  # nothing decoded yet: a's prompt in one step
+    plain = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096)
+    assert got["b"] == plain.generate([prompts["b"]], GREEDY)[0].token_ids
+    assert got["a"] == plain.generate([prompts["a"]], GREEDY)[0].token_ids
+
+
+def test_the_cap_leaves_prefill_work_at_least_its_floor(qwen3_tied: Path) -> None:
+    llm, rows = capped_engine(qwen3_tied, 1.0)  # a second a token: the budget allows none
+    run(llm, {"a": ids(30, 1), "b": ids(100, 2)})
+    assert [n for rid, n in rows if rid == "b" and n > 1] == [MIN_CAPPED_TOKENS] * 3 + [4]
+
+
+def test_no_cap_before_anything_was_measured(qwen3_tied: Path) -> None:
+    llm, rows = capped_engine(qwen3_tied, None)
+    run(llm, {"a": ids(30, 1), "b": ids(300, 2)})
+    assert [n for rid, n in rows if rid == "b" and n > 1] == [300]
+
+
+def test_steps_teach_the_model_and_off_means_no_timing(qwen3_tied: Path) -> None:
+    on = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096, max_decode_stall_ms=5.0)
+    assert on.engine.step_cost is not None and on.engine.step_cost.seconds_per_token is None
+    on.generate([ids(MIN_OBSERVED_TOKENS + 10, 3)], GREEDY)
+    assert (on.engine.step_cost.seconds_per_token or 0) > 0
+    off = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096)
+    off.generate([ids(100, 3)], GREEDY)
+    assert off.engine.step_cost is None and off.engine._step_timers == []
+
+
+def test_cost_model_average_and_floor() -> None:
+    m = StepCostModel(smoothing=0.5)
+    assert m.tokens_within(0.005) is None
+    m.observe(MIN_OBSERVED_TOKENS - 1, 1.0)  # too small a step to count
+    assert m.seconds_per_token is None
+    m.observe(100, 0.010)
+    assert m.seconds_per_token == pytest.approx(1e-4)
+    m.observe(200, 0.060)
+    assert m.seconds_per_token == pytest.approx(2e-4)  # halfway to 3e-4
+    assert m.tokens_within(0.005) == MIN_CAPPED_TOKENS  # 25 tokens fit in 5 ms; the floor is 32
+    assert m.tokens_within(1.0) == 5000
+
+
+def test_cpu_step_timer_measures_the_wall_time() -> None:
+    import time
+
+    import torch
+
+    t = StepTimer.begin(10, torch.device("cpu"))
+    assert t.seconds() is None
+    time.sleep(0.01)
+    t.stop()
+    assert (t.seconds() or 0) >= 0.01
