@@ -28,6 +28,10 @@ import pytest
 
 READY_TIMEOUT = 90.0  # model load on a busy 2-core CI box
 STOP_TIMEOUT = 20.0
+# Test clients drop an idle connection after 2 s, before the daemon's server.keepalive_timeout (5 s)
+# closes it: at httpx's default expiry, also 5 s, a request could go out on a connection the server
+# was closing at that moment ("Server disconnected without sending a response", seen in the soak).
+CLIENT_LIMITS = httpx.Limits(keepalive_expiry=2.0)
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCRIPTED_SITE = Path(__file__).resolve().parent / "scripted_site"  # its sitecustomize installs the scripted sampler
 
@@ -110,17 +114,20 @@ class DaemonProc:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def http(self, timeout: float = 30.0, **kw: Any) -> httpx.Client:
+        kw.setdefault("limits", CLIENT_LIMITS)
         return httpx.Client(base_url=self.base_url, timeout=timeout, headers=self.headers(), **kw)
 
     def uds_http(self, timeout: float = 30.0) -> httpx.Client:
         return httpx.Client(
-            transport=httpx.HTTPTransport(uds=self.uds), base_url="http://localhost", timeout=timeout,
-            headers=self.headers(),
+            transport=httpx.HTTPTransport(uds=self.uds, limits=CLIENT_LIMITS), base_url="http://localhost",
+            timeout=timeout, headers=self.headers(),
         )
 
     def openai(self, http_client: httpx.Client | None = None, base_url: str | None = None, **kw: Any) -> Any:
         import openai
 
+        if http_client is None:
+            http_client = httpx.Client(limits=CLIENT_LIMITS)
         return openai.OpenAI(
             base_url=base_url or f"{self.base_url}/v1", api_key=self.api_key or "unused", max_retries=0,
             timeout=kw.pop("timeout", 60.0), http_client=http_client, **kw,

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from mllmd.workers.scheduler_worker import IDLE_TRIM_AFTER
-from tests.daemon.conftest import start_daemon, stop_and_check
+from tests.daemon.conftest import CLIENT_LIMITS, start_daemon, stop_and_check
 
 from .helpers import admin, rss_mib, status, wait_idle
 
@@ -108,9 +108,12 @@ async def run(d: Any, count: int, seed: int) -> Counter[str]:
     queue: asyncio.Queue[str] = asyncio.Queue()
     for k in kinds:
         queue.put_nowait(k)
-    limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=CONCURRENCY)
+    # idle connections expire before the daemon closes them (CLIENT_LIMITS: the admin client once met one)
+    limits = httpx.Limits(max_connections=CONCURRENCY * 2, max_keepalive_connections=CONCURRENCY,
+                          keepalive_expiry=CLIENT_LIMITS.keepalive_expiry)
     async with httpx.AsyncClient(base_url=d.base_url, timeout=60.0, limits=limits) as h, httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=d.uds), base_url="http://localhost", timeout=60.0) as adm:
+            transport=httpx.AsyncHTTPTransport(uds=d.uds, limits=CLIENT_LIMITS), base_url="http://localhost",
+            timeout=60.0) as adm:
 
         async def worker(i: int) -> None:
             wrng = random.Random(seed * 1000 + i)
