@@ -34,6 +34,7 @@ from PIL import Image
 from mllmd import LLM
 from mllmd.bench.one_batch import (
     _sync,
+    decode_step_bytes,
     measure_copy_bandwidth,
     random_prompts,
     time_engine,
@@ -73,7 +74,7 @@ def time_vit(llm: LLM, image: EngineImage) -> float:
     device = llm.engine.runner.device
     _sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():  # as inside an engine step (autograd would record the tower's graph)
+    with torch.inference_mode():  # as transformers' tower is timed
         vision.encode([image])
     _sync(device)
     return time.perf_counter() - t0
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if info.device.type == "cuda":
         bandwidth = measure_copy_bandwidth(info.device)
         kv_per_token = runner.kv_pool.bytes_per_token(info.num_layers, info.num_kv_heads, info.head_dim, info.dtype)
-        floor = (line["weight_bytes_per_step"] + (len(ids) + args.output_len / 2) * kv_per_token) / bandwidth
+        floor = decode_step_bytes(line["weight_bytes_per_step"], kv_per_token, 0, 1, len(ids), args.output_len) / bandwidth
         line.update(copy_bandwidth_gbps=bandwidth / 1e9, roofline_step_latency=floor, roofline_fraction=floor / step)
     if hf is not None:
         line.update(

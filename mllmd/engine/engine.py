@@ -194,7 +194,9 @@ class Engine:
         launched = None
         sched = self.scheduler.schedule()
         if sched is not None:
-            timer = StepTimer.begin(sum(sched.extend_lens), self.runner.device) if self.step_cost is not None else None
+            timer = None
+            if self.step_cost is not None and any(n > 1 for n in sched.extend_lens):  # steps with prefill work
+                timer = StepTimer.begin(sum(sched.extend_lens), self.runner.device)
             batch = self.runner.prepare(sched)
             logits = self.runner.forward(batch)
             if timer is not None:

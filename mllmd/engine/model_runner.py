@@ -124,7 +124,8 @@ class ModelRunner:
         self.model.load_weights(iter_weights(config.model_path))
         # inference only: no parameter records autograd history, also where a module runs outside an
         # inference_mode step (the vision tower runs while a step is prepared; torch's nn.Linear and
-        # nn.LayerNorm there made their parameters require grad, and every cached image kept its graph)
+        # nn.LayerNorm there made their parameters require grad, and every cached image kept its graph;
+        # VisionRunner.encode relies on this)
         self.model.eval().requires_grad_(False)
         plan_fusions(self.model, kv_dtype=dtype)  # the KV pool holds the model's dtype
         text_config = getattr(hf_config, "text_config", hf_config)

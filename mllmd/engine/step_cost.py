@@ -3,11 +3,12 @@ for `scheduler.max_decode_stall_ms`.
 
 A step that carries a prefill chunk makes every running request wait for it: its next token comes
 only after the whole step. With a stall budget set, the scheduler caps a step's tokens while
-requests decode. It uses the seconds per token of recent steps that computed at least
-`MIN_OBSERVED_TOKENS` tokens, an exponential average. Counting a step's fixed cost into the
-per-token figure over-states it, so the cap errs on the short side. The time is the device's
-(CUDA events around the forward and the sampling, read once the step's tokens are in: no extra
-synchronisation) or, on the CPU, the host's wall time.
+requests decode. It uses the seconds per token of recent steps that carried prefill work and
+computed at least `MIN_OBSERVED_TOKENS` tokens, an exponential average (decode-only steps run as
+CUDA graphs at another cost per token, and are not the steps the cap bounds). Counting a step's
+fixed cost into the per-token figure over-states it, so the cap errs on the short side. The time is
+the device's (CUDA events around the step's input staging and forward, read once the step's tokens
+are in: no extra synchronisation) or, on the CPU, the host's wall time.
 """
 
 from __future__ import annotations

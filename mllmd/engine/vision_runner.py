@@ -31,7 +31,6 @@ class VisionRunner:
         self.device = device
         self.images_encoded = 0
 
-    @torch.no_grad()
     def encode(self, images: Sequence[EngineImage]) -> dict[bytes, Entry]:
         """The tower's outputs for `images` (distinct contents), split per image, in one tower call."""
         pixels = [_on_device(image.pixels, self.device) for image in images]

@@ -114,3 +114,17 @@ def test_cpu_step_timer_measures_the_wall_time() -> None:
     time.sleep(0.01)
     t.stop()
     assert (t.seconds() or 0) >= 0.01
+
+
+def test_only_steps_with_prefill_work_are_learned_from(qwen3_tied: Path) -> None:
+    """Decode-only steps (CUDA graphs on a GPU, another cost per token) do not teach the model, even
+    with 64 rows: 64 two-token prompts give one 128-token prefill step, then 64-row decode steps."""
+    llm = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096, max_running_requests=64,
+              max_decode_stall_ms=5.0)
+    cost = llm.engine.step_cost
+    assert cost is not None
+    seen: list[int] = []
+    real = cost.observe
+    cost.observe = lambda tokens, seconds: (seen.append(tokens), real(tokens, seconds))[1]  # type: ignore[method-assign]
+    llm.generate([ids(2, 10 + i) for i in range(64)], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert seen == [128]
