@@ -88,7 +88,18 @@ class EngineConfig:
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
     mem_fraction_static: float = _f("runtime", 0.85, "fraction of device memory for weights + KV cache")
     disable_cuda_graph: bool = _f("runtime", False, "run decode steps eagerly instead of replaying CUDA graphs")
-    cuda_graph_max_bs: int = _f("runtime", 64, "largest decode batch run as a CUDA graph (bigger ones run eagerly)")
+    cuda_graph_max_bs: int = _f(
+        "runtime", 64,
+        "largest decode batch run as a CUDA graph, and most requests in a prefill or mixed step run as one "
+        "(bigger ones run eagerly)",
+    )
+    prefill_graph_max_tokens: int = _f(
+        "runtime", 512,
+        "largest prefill or mixed (prefill + decode) step, in tokens, run as a CUDA graph, padded up to the "
+        "next of 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, ... (text models on the triton attention "
+        "backend; steps with images, prompt logprobs or a recurrent state run eagerly); 0: all such steps "
+        "run eagerly",
+    )
     random_seed: int = _f("runtime", 0, "seed for requests that give none")
     cpu_kv_cache_max_tokens: int = _f("runtime", 131072, "cap on the default KV-cache size on CPU")
     cpu_threads: int | None = _f("runtime", None, "torch threads on CPU; null: all cores (offline), all but one (daemon)")
@@ -168,6 +179,7 @@ def validate(cfg: EngineConfig) -> None:
     at_least("cpu_kv_cache_max_tokens", 2)
     at_least("cpu_threads", 1)
     at_least("cuda_graph_max_bs", 1)
+    at_least("prefill_graph_max_tokens", 0)
     at_least("max_encoder_tokens_per_step", 1)
     at_least("encoder_cache_mb", 0)
     at_least("state_slots", 1)

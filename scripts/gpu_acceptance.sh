@@ -14,8 +14,10 @@ export PYTHONPATH="$PWD:$PWD/kernels:$PWD/.device/kernels_site:/tmp/site${PYTHON
 export MLLMD_SHARED_MODELS=${MLLMD_SHARED_MODELS:-$PWD/.device/models} MLLMD_CACHE_DIR=/tmp/mllmd-cache
 export STATE_DIRECTORY=/tmp/mllmd-state HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 unset TRITON_INTERPRET
-if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/msgspec ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+wheels_stamp=/tmp/site/.wheels-$(ls .whl 2>/dev/null | md5sum | cut -c1-12)  # a warm machine may hold fewer wheels
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f "$wheels_stamp" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch "$wheels_stamp"
 fi
 steps=("$@"); [ ${#steps[@]} -eq 0 ] && steps=(all)
 want() { for s in "${steps[@]}"; do [ "$s" = all ] || [ "$s" = "$1" ] && return 0; done; return 1; }
@@ -99,12 +101,16 @@ if want quant8b; then  # W4A16 / W8A8 Qwen3-8B made by compressed-tensors on the
 fi
 
 if want ttft; then  # issue 33: fresh-prompt first token by prompt length, bf16 / W4A16 / W8A8 8B, with the floor
+  # TTFT_SCHEMES: the quantized formats beside bf16 (default "W4A16 W8A8"; "" for bf16 alone)
   build Qwen3-8B $M8
-  for q in W4A16 W8A8; do
+  models="--model bf16=$M8"
+  for q in ${TTFT_SCHEMES-W4A16 W8A8}; do
     [ -f /dev/shm/q8-$q/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
       --out /dev/shm/q8-$q --scheme $q --device cuda >/dev/null
+    models="$models --model ${q,,}=/dev/shm/q8-$q"
   done
-  timeout 400 python3 -m mllmd.bench.ttft --model bf16=$M8 --model w4a16=/dev/shm/q8-W4A16 --model w8a8=/dev/shm/q8-W8A8 \
+  stamp "ttft: $models"
+  timeout ${TTFT_TIMEOUT:-400} python3 -m mllmd.bench.ttft $models ${TTFT_ARGS:-} \
     --input-len 32 128 512 2048 --repeats 5 --result-filename "$OUT/ttft.jsonl" 2>&1 | grep -vE '^\[|Warning' | cut -c1-400
 fi
 
@@ -177,9 +183,11 @@ if want ab; then  # issue 30: this tree against the one in .ab/old (same weights
   # the host time of a batch-64 decode step with mixed sampling parameters (scripts/host_step_time.py,
   # which runs unchanged on either tree); then bench.serving at 64 streams once per tree. About 15
   # minutes in all: split it over two calls with AB_SERVE=0 and then AB_ROUNDS="" (serving alone)
+  # AB_ONLY_DECODE=1: the bf16 batch-1 / batch-64 decode lines alone (no prefill, W4A16 or host time)
   build Qwen3-8B $M8
   ROOT=$PWD
-  [ -f /dev/shm/q8-W4A16/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
+  only=${AB_ONLY_DECODE:-0}
+  [ $only = 1 ] || [ -f /dev/shm/q8-W4A16/config.json ] || timeout 300 python3 -m mllmd.testing.quantize --base $M8 \
     --out /dev/shm/q8-W4A16 --scheme W4A16 --device cuda >/dev/null
   tree_env() {  # python -m puts the working folder first on sys.path: run the old tree from its own folder
     if [ $1 = old ]; then dir=.ab/old; pp="$PWD/.ab/old:$PWD/.ab/old/kernels:$PWD/.device/kernels_site:/tmp/site"
@@ -191,6 +199,7 @@ if want ab; then  # issue 30: this tree against the one in .ab/old (same weights
       stamp "A/B round $round: $tree"
       (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
         --input-len 128 --output-len 32 --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300)
+      [ $only = 1 ] && continue
       [ $round = 1 ] && (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 \
         --batch-size 1 --input-len 2048 --output-len 4 --prefill-repeats 5 --run-name "ab-$tree-prefill" \
         --result-filename "$OUT/ab.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300)
@@ -237,6 +246,11 @@ if want serve; then
       timeout 60 .device/bin/py-spy record --nonblocking -r 200 -d ${PYSPY} --format raw -o "$OUT/pyspy-$(tr '\0' ' ' </proc/$p/cmdline | grep -oE 'mllmd\.(cli|workers\.[a-z_]+)' | tr . _)-$p.txt" --pid $p >/dev/null 2>&1 &
     done
   fi
+  if [ "${SERVE_ONE:-1}" = 1 ]; then stamp "one stream, 128-token prompts (issue 33's TTFT line)"
+  timeout 120 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --token-ids-prompt --vocab-size 151000 \
+    --random-input-len 128 --random-output-len 16 --random-range-ratio 1.0 --num-prompts 24 --max-concurrency 1 \
+    --seed 5 --warmup-requests 4 --result-filename "$OUT/serving$TAG.jsonl" 2>&1 | tail -14; fi
+  stamp "64 streams, 256-token prompts"
   timeout 240 python3 -m mllmd.bench.serving --base-url http://127.0.0.1:30000 --token-ids-prompt --vocab-size 151000 \
     --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
     --seed 3 --warmup-requests 4 --result-filename "$OUT/serving$TAG.jsonl" --save-requests "$OUT/requests$TAG.jsonl" 2>&1 | tail -30

@@ -10,13 +10,15 @@ the median and every repeat, and on CUDA the floor measured in the same run, the
 weights read once at the device's copy bandwidth and the prompt's matmul FLOPs at the device's
 measured bf16 GEMM rate, with `floor_fraction` = floor / median. `host_us` is the host's share (the
 wall time less the waits for the device's results) and `host_cpu_us` the thread's CPU time, medians
-over the repeats. `--baseline hf` times transformers' forward of the same prompt on the same weights
-(not for quantized checkpoints). Ends with a table (lengths across, models down).
+over the repeats. `--compare-eager [LABEL...]` adds those models (default all) with prefill CUDA graphs off.
+`--baseline hf` times transformers' forward of the same prompt on the same weights (not for
+quantized checkpoints). Ends with a table (lengths across, models down).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -111,8 +113,10 @@ def time_hf_first_token(model: Any, ids: list[int], device: torch.device) -> flo
     return time.perf_counter() - t0
 
 
-def bench_model(label: str, path: str, args: argparse.Namespace, hw: dict[str, float]) -> list[dict[str, Any]]:
-    llm = LLM(path, dtype=args.dtype, device=args.device, random_seed=args.seed)
+def bench_model(
+    label: str, path: str, args: argparse.Namespace, hw: dict[str, float], engine_args: dict[str, Any] | None = None
+) -> list[dict[str, Any]]:
+    llm = LLM(path, dtype=args.dtype, device=args.device, random_seed=args.seed, **(engine_args or {}))
     runner = llm.engine.runner
     vocab = llm.engine.info.vocab_size
     wbytes = weight_bytes_per_step(runner.model)
@@ -122,6 +126,9 @@ def bench_model(label: str, path: str, args: argparse.Namespace, hw: dict[str, f
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=runner.info.dtype).to(runner.device).eval()
+    graphs, capture_s = 0, None
+    if runner.prefill_graphs is not None:  # (no reference kept: it would keep the engine alive)
+        graphs, capture_s = len(runner.prefill_graphs.graphs), round(runner.prefill_graphs.capture_seconds, 2)
     rows = []
     seed = args.seed
     for n in args.input_len:
@@ -143,7 +150,8 @@ def bench_model(label: str, path: str, args: argparse.Namespace, hw: dict[str, f
                                # what a slower host (Jetson's cores) pays again
                                "host_us": round(statistics.median(t.host_seconds for t in ours) * 1e6, 1),
                                "host_cpu_us": round(statistics.median(t.cpu_seconds for t in ours) * 1e6, 1),
-                               "device": runner.device.type, "weight_bytes": wbytes}
+                               "device": runner.device.type, "weight_bytes": wbytes,
+                               "prefill_graphs": graphs, "prefill_graph_capture_s": capture_s}
         if hw:
             floor = max(wbytes / hw["copy_bytes_per_s"], 2 * n_params * n / hw["matmul_flops"])
             row.update(floor_ms=round(floor * 1e3, 3), floor_fraction=round(floor / med, 4))
@@ -152,8 +160,9 @@ def bench_model(label: str, path: str, args: argparse.Namespace, hw: dict[str, f
             row.update(hf_ttft_ms=round(hf_med * 1e3, 3), vs_hf=round(hf_med / med, 3))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    del llm, hf
-    if runner.device.type == "cuda":
+    del llm, hf, runner
+    gc.collect()  # the engine's objects form reference cycles: free its KV pool before the next model loads
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return rows
 
@@ -180,6 +189,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--compare-eager", nargs="*", default=None, metavar="LABEL",
+                    help="also time these models (none named: every model) with prefill CUDA graphs off "
+                         "(label suffix -eager)")
     ap.add_argument("--run-name", default="ttft")
     ap.add_argument("--result-filename", default=None, help="append the JSON lines here")
     args = ap.parse_args(argv)
@@ -191,7 +203,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(json.dumps({"run_name": args.run_name, "hardware": {k: round(v) for k, v in hw.items()}}), flush=True)
     rows = []
     for spec in args.model:
-        rows += bench_model(*parse_model(spec), args, hw)
+        label, path = parse_model(spec)
+        rows += bench_model(label, path, args, hw)
+        if args.compare_eager is not None and (not args.compare_eager or label in args.compare_eager):
+            rows += bench_model(f"{label}-eager", path, args, hw, {"prefill_graph_max_tokens": 0})
     if args.result_filename:
         with open(args.result_filename, "a", encoding="utf-8") as f:
             for r in rows:

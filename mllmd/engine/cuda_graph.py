@@ -21,9 +21,10 @@ Triton backend: the split count is a function of the batch size) need nothing at
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from mllmd_kernels import decode_inputs, pdl_launches
@@ -74,15 +75,49 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return out + [max_bs]
 
 
+class StepGraph(Protocol):
+    """A recorded step: `capture(run)` records `run` once and returns its output tensor; each
+    `replay()` reruns it on the same memory (the output tensor is refreshed in place)."""
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> torch.Tensor: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaStepGraph:
+    """A CUDA graph over a shared memory pool: `run` is warmed up twice on `stream` (Triton compiles,
+    cuBLAS picks its algorithms), then captured. Every buffer `run` allocates comes from the pool,
+    its metadata included: a buffer left over from the warm-up would go back to the caching allocator
+    and every replay would write into whatever reused it."""
+
+    def __init__(self, stream: torch.cuda.Stream, pool: Any) -> None:
+        self.stream, self.pool = stream, pool
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):
+            for _ in range(2):
+                run()
+        self.stream.synchronize()
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            out = run()
+        self.pool = self.graph.pool()
+        return out
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class CudaGraphRunner:
     """Captures decode for each size in `batch_sizes`; `run(batch)` replays the fitting one."""
 
     def __init__(
         self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, batch_sizes: list[int],
-        plan: Callable[[ForwardBatch], Any] | None = None,
+        plan: Callable[[ForwardBatch], Any] | None = None, pool: Any = None,
     ) -> None:  # fmt: skip
         """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device);
-        `plan(batch)`: the step the model takes (default: the backend's attention step)."""
+        `plan(batch)`: the step the model takes (default: the backend's attention step); `pool`: a
+        CUDA graph memory pool to draw on (the prefill graphs'), else a new one."""
         self.model = model
         self.backend = backend
         self.plan = plan or backend.plan
@@ -101,10 +136,10 @@ class CudaGraphRunner:
         self.fused_inputs = use_triton(self.inputs[n])
         self.ones = torch.ones(n, dtype=i64, device=dev)
         self.arange = torch.arange(n, dtype=i64, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, CudaStepGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.steps: dict[int, Any] = {}  # each graph's model step, as captured
-        self.pool: Any = None
+        self.pool: Any = pool  # the graphs' memory pool (None: a new one; shared with the prefill graphs)
         self._capture_all()
 
     def _batch(self, size: int, bs: int | None = None) -> ForwardBatch:
@@ -130,8 +165,14 @@ class CudaGraphRunner:
     def _capture_all(self) -> None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream())
+        # The static inputs hold zeros here (no fill, slot 0): the warm-up and capture runs write no
+        # table entry and no request's KV.
         with pdl_launches():  # on sm90: kernels overlap their start with the previous kernel's tail
-            self._capture_on(stream)
+            for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool memory
+                graph = CudaStepGraph(stream, self.pool)
+                self.logits[bs] = graph.capture(functools.partial(self._step, bs))
+                self.pool = graph.pool
+                self.graphs[bs] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -144,25 +185,6 @@ class CudaGraphRunner:
             s = self.inputs[size]
             decode_inputs(s[IDS], s[POSITIONS], s[LOCS], s[ROWS], s[FILL], self.token_buf, self.req_to_token)
         return forward_logits(self.model, batch, step)
-
-    def _capture_on(self, stream: torch.cuda.Stream) -> None:
-        # The static inputs hold zeros here (no fill, slot 0): the warm-up and capture runs write no
-        # table entry and no request's KV.
-        for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its pool memory
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its algorithms
-                    self._step(bs)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                # Metadata is built inside the capture: every buffer the graph touches (the attention
-                # backend's split-KV scratch included) must come from the graph's private pool. A
-                # buffer left over from the warm-up would go back to the caching allocator when the
-                # warm-up batch dies, and every replay would then write into whatever reused it.
-                self.logits[bs] = self._step(bs)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[bs] = graph
 
     def size_for(self, bs: int) -> int | None:
         """The captured size that runs `bs` rows, or None when none does."""

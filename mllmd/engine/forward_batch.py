@@ -29,6 +29,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
+    prefill_graph: tuple[int, int] | None = None  # (tokens, rows): staged in that prefill graph's inputs
     images: ImageEmbeds | None = None  # the step's image tokens (vision-language models)
     state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (hybrid models)
     # prompt logprobs: (request, first position, count) per row that wants them; their logits follow

@@ -22,6 +22,7 @@ from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
 from mllmd.engine.model_forward import forward_logits
+from mllmd.engine.prefill_graph import PrefillGraphRunner
 from mllmd.engine.request import PLACEHOLDER, Req
 from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
 from mllmd.engine.sampling.sampler import TokenMask
@@ -176,10 +177,19 @@ class ModelRunner:
         )
         self.attn_backend = self._attention_backend(self.kv_pool, self.req_to_token_pool.req_to_token)
         self.graph_runner: CudaGraphRunner | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
         if self.device.type == "cuda" and not config.disable_cuda_graph:
             if self.attn_backend.supports_cuda_graph:
+                pool = None
+                if self._prefill_graph_tokens() and self.attn_backend.supports_prefill_graph:
+                    self.prefill_graphs = PrefillGraphRunner(
+                        self.model, self.attn_backend, self.token_buf, self._prefill_graph_tokens(),
+                        self._graph_max_bs(), self._plan,
+                    )
+                    pool = self.prefill_graphs.pool  # one pool: the decode graphs reuse its memory
                 self.graph_runner = CudaGraphRunner(
-                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs()), self._plan
+                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs()), self._plan,
+                    pool,
                 )
             else:
                 logger.info("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
@@ -239,7 +249,8 @@ class ModelRunner:
 
         The process may hold `mem_fraction_static` of the device memory; from that go the weights
         (already loaded), the measured peak activations of one step of max_prefill_tokens tokens,
-        the sampler's workspace at max_running_requests rows and the decode CUDA graphs' outputs.
+        the sampler's workspace at max_running_requests rows, the decode CUDA graphs' outputs and the
+        prefill graphs' pool (the measured peak of their largest step).
         On integrated GPUs (Jetson: CPU and GPU share DRAM) the memory there is to take is the
         kernel's MemAvailable, which cuMemGetInfo does not report faithfully.
         """
@@ -260,6 +271,9 @@ class ModelRunner:
         graphs = 0
         if not self.config.disable_cuda_graph:
             graphs = sum(capture_batch_sizes(self._graph_max_bs())) * vocab * 6 + (64 << 20)
+            prefill_graph_tokens = self._prefill_graph_tokens()
+            if prefill_graph_tokens:  # their pool holds the activations of the largest one, as profiled
+                graphs += self.profile_step_bytes(-(-prefill_graph_tokens // 16) * 16)
         budget = kv_budget_bytes(mem, self.config.mem_fraction_static, activations, sampler, graphs)
         self._kv_budget_detail = (
             f"KV budget {budget / 1e9:.2f} GB: device {mem.total / 1e9:.1f} GB x {self.config.mem_fraction_static:.2f} "
@@ -279,6 +293,13 @@ class ModelRunner:
 
     def _graph_max_bs(self) -> int:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
+
+    def _prefill_graph_tokens(self) -> int:
+        """The largest prefill / mixed step run as a CUDA graph (0: none), for models whose steps are
+        text through paged attention (PrefillGraphRunner); the backend must also support it."""
+        if self.vision is not None or self.state_layers:
+            return 0
+        return min(self.config.prefill_graph_max_tokens, self.config.max_prefill_tokens, self.info.context_length)
 
     def _plan(self, batch: ForwardBatch, backend: AttentionBackend | None = None, states: StatePool | None = None) -> Any:
         """The step the model takes: the attention step, and for hybrid models the state pools' view."""
@@ -329,10 +350,11 @@ class ModelRunner:
         return batch, self._plan(batch, self._attention_backend(pool, table.req_to_token), states)
 
     @torch.inference_mode()
-    def profile_step_bytes(self) -> int:
-        """Peak bytes a forward of the largest step allocates beyond the weights (CUDA only)."""
+    def profile_step_bytes(self, tokens: int | None = None) -> int:
+        """Peak bytes a forward of one prompt of `tokens` tokens (default: the largest step) allocates
+        beyond the weights (CUDA only)."""
         dev = self.device
-        n = max(1, min(self.config.max_prefill_tokens, self.info.context_length))
+        n = tokens or max(1, min(self.config.max_prefill_tokens, self.info.context_length))
         torch.cuda.synchronize(dev)
         base = torch.cuda.memory_allocated(dev)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -365,10 +387,11 @@ class ModelRunner:
 
     def prepare(self, sched: ScheduledBatch) -> ForwardBatch:
         """Gather the step's flat inputs from the scheduled requests and write its KV slots into the
-        request table: a decode step that a CUDA graph runs is staged into the graph's own inputs
-        (CudaGraphRunner.stage: the table write and the in-flight tokens happen inside the graph);
-        any other step takes one staged host-to-device copy, a scatter into the table and, for
-        in-flight tokens, a gather from the token buffer."""
+        request table: a step that a CUDA graph runs is staged into the graph's own inputs
+        (CudaGraphRunner.stage for decodes, PrefillGraphRunner.stage for prefill and mixed steps: the
+        table write and the in-flight tokens happen inside the graph); any other step takes one staged
+        host-to-device copy, a scatter into the table and, for in-flight tokens, a gather from the
+        token buffer."""
         input_ids: list[int] = []
         columns: list[int] = []  # each token's index in its request (its request-table column)
         positions: list[int] = []  # where the model rotates it: the index, but for M-RoPE prompts with images
@@ -411,9 +434,18 @@ class ModelRunner:
             states = [r.state_slot or 0 for r in sched.reqs] if self.state_pool is not None else None
             return gr.stage(ids, columns, rows, seq_lens, fill, sched.out_cache_loc, list(sched.prefix_lens), rope,
                             states)
-        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,
-        # table columns: one copy; a token's request-table entry is (its request row, its index)
+        # a token's request-table entry is (its request row, its index)
         token_rows = [r for r, n in zip(rows, sched.extend_lens) for _ in range(n)]
+        pg = self.prefill_graphs
+        if pg is not None and not prompt_spans:  # text only: positions are the columns
+            fill = [int(t == PLACEHOLDER) for t in input_ids]
+            ids = [0 if f else t for t, f in zip(input_ids, fill)]
+            staged_batch = pg.stage(ids, columns, token_rows, fill, rows, seq_lens, list(sched.prefix_lens),
+                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc)
+            if staged_batch is not None:
+                return staged_batch
+        # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,
+        # table columns: one copy
         images = None
         staged = [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows]
         if self.state_pool is not None:
@@ -477,9 +509,13 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model; float32 logits [N, V] for the rows that sample (empty if none).
 
-        Decode batches that prepare() staged replay the CUDA graph of their size (padded up)."""
+        Batches that prepare() staged replay the CUDA graph of their size (padded up): decode graphs
+        by batch size, prefill graphs by tokens and rows."""
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
+        if batch.prefill_graph is not None:
+            assert self.prefill_graphs is not None
+            return self.prefill_graphs.run(batch)
         return self.forward_eager(batch)
 
     @torch.inference_mode()

@@ -160,6 +160,26 @@ def test_cuda_graph_padding_matches_eager(model_0_6b: Path):
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
 
 
+def test_prefill_graphs_match_eager(model_0_6b: Path):
+    """Prompts in chunks of 24 beside running decodes (overlap: their tokens still on the device), the
+    same prompts again (prefix hits) and a lone new prompt: prefill and mixed steps replay the prefill
+    CUDA graphs (padded to their buckets) and give the tokens of the same steps run eagerly."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    opts = dict(dtype="float32", overlap_schedule=True, chunked_prefill_size=24, max_prefill_tokens=64)
+    runs, replays = {}, []
+    for graphs in (True, False):
+        llm = _llm(model_0_6b, prefill_graph_max_tokens=64 if graphs else 0, **opts)
+        pg = llm.engine.runner.prefill_graphs
+        assert (pg is not None) == graphs
+        if pg is not None:
+            real_run = pg.run
+            pg.run = lambda batch, run=real_run: replays.append(batch.prefill_graph) or run(batch)
+        outs = llm.generate(PROMPTS, params) + llm.generate(PROMPTS[:2], params)
+        outs += llm.generate([list(range(2000, 2040))], params)
+        runs[graphs] = [o.token_ids for o in outs]
+    assert runs[True] == runs[False]
+    assert len(replays) >= 5 and len({rows for _, rows in replays}) >= 2, replays
+
 
 def _fill_free_cached_blocks(value: int) -> list[torch.Tensor]:
     """Allocate a byte tensor over every free block the caching allocator holds outside graph pools."""
@@ -181,13 +201,15 @@ def test_cuda_graph_replay_writes_only_its_own_memory(model_0_6b: Path):
     allocator hands out after capture (here: all of its free blocks, filled with a sentinel) is left
     untouched by replays. A scratch buffer allocated during the warm-up and freed after capture would
     be overwritten on every replay (this is how the Qwen3-8B daemon crashed with graphs on)."""
-    llm = _llm(model_0_6b, dtype="bfloat16", disable_cuda_graph=False)
+    llm = _llm(model_0_6b, dtype="bfloat16", disable_cuda_graph=False, max_prefill_tokens=256,
+               prefill_graph_max_tokens=128)  # fmt: skip
     graphs = llm.engine.runner.graph_runner
-    assert graphs is not None and len(graphs.graphs) > 1
+    prefill = llm.engine.runner.prefill_graphs
+    assert graphs is not None and len(graphs.graphs) > 1 and prefill is not None and len(prefill.graphs) > 1
     torch.cuda.synchronize()
     held = _fill_free_cached_blocks(0x5A)
     assert held, "the caching allocator held no free block to check"
-    for graph in graphs.graphs.values():
+    for graph in [*graphs.graphs.values(), *prefill.graphs.values()]:
         graph.replay()
     torch.cuda.synchronize()
     changed = [t.numel() for t in held if not bool((t == 0x5A).all())]

@@ -22,9 +22,12 @@ class AttentionBackend(ABC):
     `supports_cuda_graph`: decode steps may be captured and replayed (the backend reads no host
     values that change from step to step, and never synchronises with the device); `prepare_replay`
     runs before each replay for backends whose device-side metadata must be refreshed.
+    `supports_prefill_graph`: so may prefill and mixed steps, padded (rows of extend length 0 and
+    tokens past the last row's, which no row attends to) and planned for the bucket's token count.
     """
 
     supports_cuda_graph: bool = True
+    supports_prefill_graph: bool = False
 
     def __init__(self, kv_pool: KVPool, req_to_token: torch.Tensor) -> None:
         self.kv_pool = kv_pool

@@ -31,6 +31,10 @@ class _ExtendMeta:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    # the extend kernel's grid follows max_extend_len only (the padded bucket's at capture): tiles past
+    # a row's extend length exit, a row of length 0 computes nothing
+    supports_prefill_graph = True
+
     def metadata(self, batch: ForwardBatch) -> _DecodeMeta | _ExtendMeta:
         if batch.is_decode:
             kv_heads = self.kv_pool.k_buffer[0].shape[1]

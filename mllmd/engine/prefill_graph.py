@@ -1,0 +1,218 @@
+"""CUDA graphs for prefill and mixed (prefill + decode) steps of up to `prefill_graph_max_tokens` tokens.
+
+An eager step of a short prompt is bound by the host: a Qwen3-8B step launches about 400 kernels,
+which take longer to issue than the GPU takes to run them. A step of N tokens over B rows (prefill
+chunks and decodes, mixed) instead replays the graph captured for the smallest token bucket T >= N
+and row bucket R >= B.
+
+Padding: tokens N..T-1 are token 0 with KV slot 0 (the pool's reserved slot), in no row: every op of
+the model but attention is per token, so their activations are computed and dropped, and attention
+runs per row. Rows B..R-1 extend nothing (extend length 0: the attention kernel's tiles for them exit
+at once). The attention kernel's grid is fixed at capture by T (tiles past a row's extend length
+exit), so no host value changes between replays. Inputs are staged as for the decode graphs: one
+host-to-device copy and one copy of the KV slots; the graph's first kernel (decode_inputs) fills the
+tokens still on the device and writes each new token's KV slot into the request table (slot 0, the
+padding, writes nothing).
+
+A graph ends with the final hidden states of the R logits rows (rows past the step's sampling rows
+read token 0); the lm_head runs after the replay on the step's real rows only, so no graph holds a
+[R, vocab] output. All graphs draw on one memory pool, captured largest first, so their memory is
+about that of the largest step.
+
+Only for models whose steps are text tokens through paged attention (no image embeddings, no
+recurrent state), steps without prompt logprobs, and attention backends that plan from device
+tensors (`supports_prefill_graph`); everything else runs eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from mllmd_kernels import decode_inputs
+
+from mllmd.engine.attention import AttentionBackend
+from mllmd.engine.cuda_graph import CudaStepGraph, StepGraph
+from mllmd.engine.forward_batch import ForwardBatch
+from mllmd.engine.model_forward import forward_hidden
+
+logger = logging.getLogger(__name__)
+
+# per-token rows of a graph's static inputs: input ids, request-table column (= the RoPE position),
+# KV slot, request row, fill flag (1: the token is the token buffer's entry of its request row)
+IDS, COLUMNS, LOCS, TOKEN_ROWS, FILL = range(5)
+NUM_TOKEN_FIELDS = 5
+# per-row rows: request row, sequence length after the step, extend length, logits row (a token index)
+ROWS, SEQ_LENS, EXTEND_LENS, LOGIT_ROWS = range(4)
+NUM_ROW_FIELDS = 4
+
+_TOKEN_BUCKETS = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 96, 128, 192, 256, 384, 512, ... below `max_tokens`, then `max_tokens` rounded up to
+    a multiple of 16: a step computes at most twice its tokens below 64 (where a step costs the same
+    at any count: the weights are read once), and at most half again as many from 64 up."""
+    if max_tokens <= 0:
+        return []
+    last = -(-max_tokens // 16) * 16  # each per-token field of the flat inputs starts 16-byte aligned
+    return [t for t in _TOKEN_BUCKETS if t < last] + [last]
+
+
+def row_buckets(max_rows: int) -> list[int]:
+    """1, 4, 16, 64, 256, ... below `max_rows`, then `max_rows`: padded rows cost an attention tile that
+    exits at once and a logits row, so few buckets do."""
+    out = [r for r in (1, 4, 16, 64, 256, 1024) if r < max_rows]
+    return out + [max_rows]
+
+
+class PrefillGraphRunner:
+    """Captures a step for each (token bucket, row bucket); `stage` writes a step into the fitting
+    graph's inputs and `run` replays it."""
+
+    def __init__(
+        self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, max_tokens: int, max_rows: int,
+        plan: Callable[[ForwardBatch], Any] | None = None, new_graph: Callable[[Any], StepGraph] | None = None,
+    ) -> None:  # fmt: skip
+        """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device);
+        `plan(batch)`: the step the model takes (default: the backend's attention step);
+        `new_graph(pool)`: a StepGraph drawing on `pool` (default: CudaStepGraph on a side stream;
+        tests inject one that reruns the step eagerly)."""
+        self.model = model
+        self.plan = plan or backend.plan
+        self.token_buf = token_buf
+        self.req_to_token = backend.req_to_token
+        self.device = dev = token_buf.device
+        self.token_sizes = token_buckets(max_tokens)
+        self.row_sizes = row_buckets(max_rows)
+        # (tokens, rows) with rows <= tokens: a row holds at least one token
+        self.keys = [(t, r) for t in self.token_sizes for r in self.row_sizes if r <= t]
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}
+        for t, r in self.keys:
+            self.inputs[(t, r)] = torch.zeros(NUM_TOKEN_FIELDS * t + NUM_ROW_FIELDS * _padded(r), dtype=torch.int64,
+                                              device=dev)
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], StepGraph] = {}
+        self.pool: Any = None
+        stream = None
+        if new_graph is None:
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            new_graph = lambda pool: CudaStepGraph(stream, pool)  # noqa: E731
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for key in sorted(self.keys, reverse=True):  # largest first: the smaller steps reuse its memory
+                graph = new_graph(self.pool)
+                self.hidden[key] = graph.capture(functools.partial(self._step, key))
+                self.pool = getattr(graph, "pool", None)
+                self.graphs[key] = graph
+        if stream is not None:
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            torch.cuda.synchronize(dev)
+        self.capture_seconds = time.perf_counter() - start
+        logger.info("captured %d prefill CUDA graphs (tokens %s x rows %s) in %.1f s", len(self.keys),
+                    self.token_sizes, self.row_sizes, self.capture_seconds)
+
+    def _views(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A graph's static inputs as [NUM_TOKEN_FIELDS, T] and [NUM_ROW_FIELDS, R]."""
+        t, r = key
+        flat = self.inputs[key]
+        split = NUM_TOKEN_FIELDS * t
+        rows = flat[split:].view(NUM_ROW_FIELDS, _padded(r))[:, :r]
+        return flat[:split].view(NUM_TOKEN_FIELDS, t), rows
+
+    def _batch(self, key: tuple[int, int], num_tokens: int, num_rows: int, num_logits: int) -> ForwardBatch:
+        """The first tokens, rows and logits rows of a graph's static inputs, as a batch; the host
+        lengths are the captured step's (one row of all T tokens) until `stage` sets the real ones."""
+        t, r = key
+        tok, rows = self._views(key)
+        return ForwardBatch(
+            input_ids=tok[IDS, :num_tokens],
+            positions=tok[COLUMNS, :num_tokens],
+            out_cache_loc=tok[LOCS, :num_tokens],
+            req_pool_indices=rows[ROWS, :num_rows],
+            seq_lens=rows[SEQ_LENS, :num_rows],
+            extend_lens=rows[EXTEND_LENS, :num_rows],
+            logits_indices=rows[LOGIT_ROWS, :num_logits],
+            seq_lens_cpu=[t] + [0] * (r - 1),
+            prefix_lens_cpu=[0] * r,
+            extend_lens_cpu=[t] + [0] * (r - 1),  # the attention grid covers T queries per row
+        )
+
+    def _step(self, key: tuple[int, int]) -> torch.Tensor:
+        """What a graph runs: complete the inputs, then the model over all T tokens; the final hidden
+        states [R, H] of the logits rows."""
+        t, r = key
+        batch = self._batch(key, t, r, r)
+        tok, _ = self._views(key)
+        decode_inputs(tok[IDS], tok[COLUMNS], tok[LOCS], tok[TOKEN_ROWS], tok[FILL], self.token_buf, self.req_to_token)
+        hidden = forward_hidden(self.model, batch, self.plan(batch))
+        return hidden[batch.logits_indices]
+
+    def key_for(self, num_tokens: int, num_rows: int) -> tuple[int, int] | None:
+        """The (tokens, rows) bucket whose graph runs such a step, or None when none does."""
+        if not (0 < num_tokens <= self.token_sizes[-1] and 0 < num_rows <= self.row_sizes[-1]):
+            return None
+        t = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
+        r = self.row_sizes[bisect.bisect_left(self.row_sizes, num_rows)]
+        return (t, r) if (t, r) in self.graphs else None
+
+    def stage(
+        self,
+        input_ids: list[int],  # each token, or anything where fill is set
+        columns: list[int],  # each token's index in its request (also its RoPE position)
+        token_rows: list[int],  # each token's request row
+        fill: list[int],  # 1: the token is the token buffer's entry of its request row
+        req_pool_indices: list[int],  # per row
+        seq_lens: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        logits_rows: list[int],  # the tokens that sample, in sampling order (at most one per row)
+        out_cache_loc: torch.Tensor,  # [N] int64 on the device
+    ) -> ForwardBatch | None:
+        """Write the step into the inputs of the graph that runs it (None: no graph does). The batch's
+        tensors are views of those inputs, valid until the next stage of the same bucket."""
+        n, b = len(input_ids), len(req_pool_indices)
+        key = self.key_for(n, b)
+        if key is None or len(logits_rows) > b:
+            return None
+        t, r = key
+        pad_t, pad_r = [0] * (t - n), [0] * (_padded(r) - b)
+        host = [
+            *input_ids, *pad_t, *columns, *pad_t, *[0] * t, *token_rows, *pad_t, *fill, *pad_t,
+            *req_pool_indices, *pad_r, *seq_lens, *pad_r, *extend_lens, *pad_r,
+            *logits_rows, *[0] * (_padded(r) - len(logits_rows)),
+        ]  # fmt: skip
+        flat = self.inputs[key]
+        if flat.is_cuda:
+            flat.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True), non_blocking=True)
+        else:
+            flat.copy_(torch.tensor(host, dtype=torch.int64))
+        tok, _ = self._views(key)
+        tok[LOCS, :n].copy_(out_cache_loc)
+        batch = self._batch(key, n, b, len(logits_rows))
+        batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu = list(seq_lens), list(prefix_lens), list(extend_lens)
+        batch.prefill_graph = key
+        return batch
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [N, V] of a staged batch's sampling rows: the graph's replay, then the lm_head
+        on those rows."""
+        key = batch.prefill_graph
+        assert key is not None, "only a batch from stage() replays a prefill graph"
+        self.graphs[key].replay()
+        n = batch.logits_indices.numel()
+        if n == 0:
+            return self.hidden[key].new_empty((0, self.model.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(self.hidden[key][:n])
+
+
+def _padded(rows: int) -> int:
+    """Rows rounded up to an even count: each per-row field of the flat inputs starts 16-byte aligned
+    (Triton specialises kernels on pointer alignment)."""
+    return rows + rows % 2
