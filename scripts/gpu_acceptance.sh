@@ -258,6 +258,14 @@ if want serve; then
   tail -5 "$OUT/daemon$TAG.log"
   python3 scripts/step_trace_summary.py "$OUT/steps$TAG.jsonl"
   python3 scripts/serving_timeline.py "$OUT/requests$TAG.jsonl" "$OUT/steps$TAG.jsonl"
+  if [ "${SERVE_OFFLINE:-1}" = 1 ]; then  # the same 64-stream requests through the in-process engine
+    # OFFLINE_FLAGS: the daemon's SERVE_FLAGS as engine options (e.g. --engine-arg max_decode_stall_ms=10)
+    stamp "the same requests in process (bench.offline)"
+    timeout 200 python3 -m mllmd.bench.offline --model-path $M8 ${OFFLINE_FLAGS:-} --token-ids-prompt --vocab-size 151000 \
+      --random-input-len 256 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 256 --max-concurrency 64 \
+      --seed 3 --warmup-requests 4 --serving-result "$OUT/serving$TAG.jsonl" --result-filename "$OUT/offline$TAG.jsonl" \
+      2>&1 | grep -E '^\{|Error' | cut -c1-2000
+  fi
   stamp "serve done"
 fi
 

@@ -5,6 +5,7 @@ python -m mllmd.bench.offline --model-path DIR [the dataset options of mllmd.ben
 Same requests (`--token-ids-prompt` or `--tokenizer`), same `--max-concurrency`, same metrics and
 JSON keys as `mllmd.bench.serving`, so the two results show what the multi-process daemon adds:
 the `overhead` block compares them when `--serving-result FILE` names a serving result line.
+`--engine-arg KEY=VALUE` sets an engine option as the daemon had it (e.g. max_decode_stall_ms=10).
 `--cpu-threads N` sets the engine's torch threads: on CPU the daemon's scheduler worker leaves one
 core to its other processes by default, so N = cores - 1 compares the two at the same compute.
 """
@@ -60,6 +61,20 @@ def run_offline(llm: Any, requests: list[BenchRequest], concurrency: int, temper
     return results, time.perf_counter() - start
 
 
+def engine_args(items: list[str]) -> dict[str, Any]:
+    """--engine-arg KEY=VALUE items as EngineConfig keywords (VALUE parsed as JSON, else kept a string)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--engine-arg {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argparse.ArgumentParser(add_help=False)
@@ -70,11 +85,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch threads on CPU (default: all cores; the daemon's scheduler worker leaves one core to its other "
              "processes, so pass that number to compare at the same compute)",
     )  # fmt: skip
+    extra.add_argument(
+        "--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+        help="an EngineConfig field for the engine (VALUE as JSON, else a string), e.g. max_decode_stall_ms=10: "
+             "to run the engine as the daemon was configured",
+    )  # fmt: skip
     ours, rest = extra.parse_known_args(argv)
     args = parse_args(rest)
     from mllmd import LLM
 
-    config: dict[str, Any] = {"max_running_requests": max(args.max_concurrency or 64, 1)}
+    config: dict[str, Any] = {"max_running_requests": max(args.max_concurrency or 64, 1), **engine_args(ours.engine_arg)}
     if ours.cpu_threads is not None:
         config["cpu_threads"] = ours.cpu_threads
     llm = LLM(ours.model_path, **config)

@@ -376,3 +376,12 @@ def test_no_hops_from_a_server_without_them(server: tuple[FakeState, str]) -> No
     result = serving_main(["--base-url", url, "--num-prompts", "2", "--random-input-len", "4",
                            "--random-output-len", "2", "--token-ids-prompt"])
     assert "first_token_hops_ms" not in result
+
+
+def test_offline_engine_args_parse_json_values_and_name_a_bad_one() -> None:
+    from mllmd.bench.offline import engine_args
+
+    assert engine_args(["max_decode_stall_ms=10", "disable_cuda_graph=true", "attention_backend=triton"]) == {
+        "max_decode_stall_ms": 10, "disable_cuda_graph": True, "attention_backend": "triton"}
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        engine_args(["max_decode_stall_ms"])

@@ -52,3 +52,10 @@ def test_host_time_leaves_out_the_waits_for_the_device(qwen3_tied: Path, monkeyp
     assert calls, "the engine fetched no result through PendingFetch"
     assert t.seconds >= 0.05 * len(calls) and 0 <= t.host_seconds <= t.seconds - 0.05 * len(calls)
     assert device_io.PendingFetch.wait is slow  # the timer put the patched method back
+
+
+def test_compare_eager_adds_the_named_models_without_prefill_graphs(qwen3_tied: Path) -> None:
+    rows = ttft.main(["--model", f"a={qwen3_tied}", "--model", f"b={qwen3_tied}", "--compare-eager", "a",
+                      "--input-len", "8", "--repeats", "1", "--warmup", "0", "--device", "cpu"])
+    assert [r["model"] for r in rows] == ["a", "a-eager", "b"]
+    assert all(r["prefill_graphs"] == 0 for r in rows)  # none on the CPU; -eager has them off everywhere
