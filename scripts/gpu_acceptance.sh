@@ -197,8 +197,9 @@ if want ab; then  # issue 30: this tree against the one in .ab/old (same weights
     for tree in new old; do
       tree_env $tree
       stamp "A/B round $round: $tree"
+      extra=""; [ $tree = new ] && extra=${AB_NEW_ARGS:-}  # e.g. --prefill-graph-max-tokens 0
       (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 --batch-size 1 64 \
-        --input-len 128 --output-len 32 --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300)
+        --input-len 128 --output-len 32 $extra --run-name "ab-$tree" --result-filename "$OUT/ab.jsonl" 2>&1 | grep -E '^\{|Error' | cut -c1-300)
       [ $only = 1 ] && continue
       [ $round = 1 ] && (cd $dir && PYTHONPATH=$pp timeout ${AB_TIMEOUT:-120} python3 -m mllmd.bench.one_batch --model-path $M8 \
         --batch-size 1 --input-len 2048 --output-len 4 --prefill-repeats 5 --run-name "ab-$tree-prefill" \

@@ -216,6 +216,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                    help="runtime.prefill_graph_max_tokens (default: the config's; 0: prefill steps run eagerly)")
     ap.add_argument(
         "--overlap", choices=["auto", "on", "off"], default="auto",
         help="scheduler.overlap_schedule: launch step N+1 before N's tokens arrive (auto: on for CUDA)",
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         disable_cuda_graph=args.disable_cuda_graph,
         overlap_schedule={"auto": None, "on": True, "off": False}[args.overlap],
         cuda_graph_max_bs=max(max_bs, 1),
+        **({} if args.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}),
     )
     info = llm.engine.info
     runner = llm.engine.runner
@@ -288,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                 "dtype": str(info.dtype).replace("torch.", ""),
                 "attention_backend": type(runner.attn_backend).__name__,
                 "cuda_graph": runner.graph_runner is not None,
+                "prefill_graphs": len(runner.prefill_graphs.graphs) if runner.prefill_graphs is not None else 0,
                 "overlap_schedule": llm.engine.overlap,
                 "quantization": info.quantization,
                 "weight_bytes": info.weight_bytes,
