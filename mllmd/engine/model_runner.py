@@ -295,9 +295,9 @@ class ModelRunner:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
 
     def _prefill_graph_tokens(self) -> int:
-        """The largest prefill / mixed step run as a CUDA graph (0: none), for models whose steps are
-        text through paged attention (PrefillGraphRunner); the backend must also support it."""
-        if self.vision is not None or self.state_layers:
+        """The largest prefill / mixed step run as a CUDA graph (0: none): not for hybrid models (their
+        recurrent state), and the backend must also support it (PrefillGraphRunner)."""
+        if self.state_layers:
             return 0
         return min(self.config.prefill_graph_max_tokens, self.config.max_prefill_tokens, self.info.context_length)
 
@@ -436,26 +436,27 @@ class ModelRunner:
                             states)
         # a token's request-table entry is (its request row, its index)
         token_rows = [r for r, n in zip(rows, sched.extend_lens) for _ in range(n)]
+        axes = images = None
+        if self.vision is not None:  # M-RoPE: three axes where the step has image (or earlier) prompt tokens
+            axes = mrope_step_positions(sched.reqs, sched.prefix_lens, sched.extend_lens)
+            images = self.vision.step_embeds(sched.reqs, sched.prefix_lens, sched.extend_lens)
         pg = self.prefill_graphs
-        if pg is not None and not prompt_spans:  # text only: positions are the columns
+        if pg is not None and not prompt_spans and axes is None and images is None:
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
-            staged_batch = pg.stage(ids, columns, token_rows, fill, rows, seq_lens, list(sched.prefix_lens),
+            staged_batch = pg.stage(ids, columns, positions, token_rows, fill, rows, seq_lens, list(sched.prefix_lens),
                                     list(sched.extend_lens), logits_rows, sched.out_cache_loc)
             if staged_batch is not None:
                 return staged_batch
         # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,
         # table columns: one copy
-        images = None
         staged = [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows]
         if self.state_pool is not None:
             staged.append([r.state_slot or 0 for r in sched.reqs])
         if self.vision is not None:  # positions may differ from the columns (M-RoPE)
-            axes = mrope_step_positions(sched.reqs, sched.prefix_lens, sched.extend_lens)
             if axes is not None:
                 staged[1] = axes  # [3, T], flat
             staged.append(columns)
-            images = self.vision.step_embeds(sched.reqs, sched.prefix_lens, sched.extend_lens)
         parts = to_device_parts(staged, torch.int64, self.device)
         self.req_to_token_pool.req_to_token[parts[8], parts[-1] if self.vision is not None else parts[1]] = sched.out_cache_loc
         if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer

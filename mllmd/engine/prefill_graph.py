@@ -19,9 +19,10 @@ read token 0); the lm_head runs after the replay on the step's real rows only, s
 [R, vocab] output. All graphs draw on one memory pool, captured largest first, so their memory is
 about that of the largest step.
 
-Only for models whose steps are text tokens through paged attention (no image embeddings, no
-recurrent state), steps without prompt logprobs, and attention backends that plan from device
-tensors (`supports_prefill_graph`); everything else runs eagerly.
+Only for steps whose tokens are text through paged attention: no image embeddings and one axis of
+positions (a vision-language model's text after its images, and decodes), no recurrent state (hybrid
+models run eagerly), no prompt logprobs; and for attention backends that plan from device tensors
+(`supports_prefill_graph`). Everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from mllmd.engine.model_forward import forward_hidden
 
 logger = logging.getLogger(__name__)
 
-# per-token rows of a graph's static inputs: input ids, request-table column (= the RoPE position),
-# KV slot, request row, fill flag (1: the token is the token buffer's entry of its request row)
-IDS, COLUMNS, LOCS, TOKEN_ROWS, FILL = range(5)
-NUM_TOKEN_FIELDS = 5
+# per-token rows of a graph's static inputs: input ids, request-table column, RoPE position (the column,
+# or column + the request's M-RoPE delta), KV slot, request row, fill flag (1: the token is the token
+# buffer's entry of its request row)
+IDS, COLUMNS, ROPE, LOCS, TOKEN_ROWS, FILL = range(6)
+NUM_TOKEN_FIELDS = 6
 # per-row rows: request row, sequence length after the step, extend length, logits row (a token index)
 ROWS, SEQ_LENS, EXTEND_LENS, LOGIT_ROWS = range(4)
 NUM_ROW_FIELDS = 4
@@ -133,7 +135,7 @@ class PrefillGraphRunner:
         tok, rows = self._views(key)
         return ForwardBatch(
             input_ids=tok[IDS, :num_tokens],
-            positions=tok[COLUMNS, :num_tokens],
+            positions=tok[ROPE, :num_tokens],
             out_cache_loc=tok[LOCS, :num_tokens],
             req_pool_indices=rows[ROWS, :num_rows],
             seq_lens=rows[SEQ_LENS, :num_rows],
@@ -165,7 +167,8 @@ class PrefillGraphRunner:
     def stage(
         self,
         input_ids: list[int],  # each token, or anything where fill is set
-        columns: list[int],  # each token's index in its request (also its RoPE position)
+        columns: list[int],  # each token's index in its request (its request-table column)
+        positions: list[int],  # each token's RoPE position (one axis: index + M-RoPE delta, if any)
         token_rows: list[int],  # each token's request row
         fill: list[int],  # 1: the token is the token buffer's entry of its request row
         req_pool_indices: list[int],  # per row
@@ -184,7 +187,7 @@ class PrefillGraphRunner:
         t, r = key
         pad_t, pad_r = [0] * (t - n), [0] * (_padded(r) - b)
         host = [
-            *input_ids, *pad_t, *columns, *pad_t, *[0] * t, *token_rows, *pad_t, *fill, *pad_t,
+            *input_ids, *pad_t, *columns, *pad_t, *positions, *pad_t, *[0] * t, *token_rows, *pad_t, *fill, *pad_t,
             *req_pool_indices, *pad_r, *seq_lens, *pad_r, *extend_lens, *pad_r,
             *logits_rows, *[0] * (_padded(r) - len(logits_rows)),
         ]  # fmt: skip

@@ -84,9 +84,10 @@ class VisionRunner:
 
 def mrope_step_positions(reqs: Sequence[Req], prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> list[int] | None:
     """[3, T] positions of a step, flattened row by row (T, H, W), when some row computes prompt tokens of
-    a prompt with images (their axes differ); None when every token's axes are equal (then position
-    index + delta, one row, serves)."""
-    if not any(r.mrope_positions is not None and p < r.mrope_positions.shape[1] for r, p in zip(reqs, prefix_lens)):
+    a prompt with images whose axes are not all index + delta (an image, or text before an image); None
+    when every token sits at its index + its request's delta on all three axes (text after the last
+    image, decodes: one row of positions serves, and the step may run as a CUDA graph)."""
+    if not any(_needs_axes(r, p, n) for r, p, n in zip(reqs, prefix_lens, extend_lens)):
         return None
     axes: list[list[int]] = [[], [], []]
     for req, p, n in zip(reqs, prefix_lens, extend_lens):
@@ -98,6 +99,16 @@ def mrope_step_positions(reqs: Sequence[Req], prefix_lens: Sequence[int], extend
                 axes[a] += pos[a, p:upto].tolist()
             axes[a] += range(max(p, upto) + req.mrope_delta, p + n + req.mrope_delta)
     return axes[0] + axes[1] + axes[2]
+
+
+def _needs_axes(req: Req, p: int, n: int) -> bool:
+    """Whether tokens [p, p + n) of `req` include a prompt position other than index + delta on some axis."""
+    pos = req.mrope_positions
+    upto = min(p + n, pos.shape[1]) if pos is not None else 0
+    if p >= upto:
+        return False
+    want = list(range(p + req.mrope_delta, upto + req.mrope_delta))
+    return any(axis != want for axis in pos[:, p:upto].tolist())
 
 
 def _on_device(pixels: Any, device: torch.device) -> torch.Tensor:

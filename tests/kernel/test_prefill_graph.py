@@ -82,3 +82,40 @@ def test_prefill_graphs_match_eager_steps(qwen3_tied: Path) -> None:
             assert [t for t, _ in got] == [t for t, _ in want]
             assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
     assert sum(RerunGraph.rows.values()) >= 4 and len(RerunGraph.rows) >= 2, RerunGraph.rows
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+def test_vision_language_text_steps_run_in_prefill_graphs(tmp_path: Path) -> None:
+    """Qwen3-VL: a step with image tokens (or a prompt's 3-axis positions) runs eagerly; text after the
+    images runs in the graphs, at index + M-RoPE delta (a follow-up turn over a cached image, decodes
+    of an image request beside a text prompt's chunks): the same tokens as the eager run."""
+    from mllmd.testing import checkpoints as ck
+    from tests.multimodal.test_vl_engine import part, smooth, text
+
+    model = ck.build_tiny_checkpoint(tmp_path / "vl", "Qwen3-VL-2B-Instruct", seed=3,
+                                     extra_overrides={"vision_config": {"depth": 2, "deepstack_visual_indexes": [0, 1]}})
+    first = [{"role": "user", "content": [part(smooth(64, 48, 1)), text("What is in this picture?")]}]
+    plain = [{"role": "user", "content": [text("Name three planets and one moon of each, briefly.")]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs, shifted = {}, []
+    for graphs in (False, True):
+        llm = _llm(model, graphs)
+        pg = llm.engine.runner.prefill_graphs
+        if pg is not None:
+            real_stage = pg.stage
+
+            def stage(*args: Any, real: Any = real_stage) -> Any:
+                batch = real(*args)
+                if batch is not None:  # positions (the 3rd argument) off the columns: an M-RoPE delta
+                    shifted.append(args[2] != args[1])
+                return batch
+
+            pg.stage = stage  # type: ignore[method-assign]
+        outs = llm.chat([first, plain], params)
+        answer = llm.tokenizer.decode(outs[0].token_ids)
+        follow = [*first, {"role": "assistant", "content": answer}, {"role": "user", "content": "And its colour?"}]
+        outs += llm.chat(follow, params)
+        assert outs[-1].cached_tokens > 0  # the first turn's prompt, image included, came from the cache
+        runs[graphs] = [o.token_ids for o in outs]
+    assert runs[True] == runs[False]
+    assert any(shifted) and len(shifted) >= 3, shifted
