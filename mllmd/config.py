@@ -97,8 +97,8 @@ class EngineConfig:
         "runtime", 512,
         "largest prefill or mixed (prefill + decode) step, in tokens, run as a CUDA graph, padded up to the "
         "next of 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, ... (on the triton attention backend; "
-        "steps with image tokens or a prompt's 3-axis M-RoPE positions, prompt logprobs, or a hybrid model's "
-        "recurrent state run eagerly); 0: all such steps run eagerly",
+        "steps with image tokens, a prompt's 3-axis M-RoPE positions or prompt logprobs run eagerly); 0: all "
+        "such steps run eagerly",
     )
     random_seed: int = _f("runtime", 0, "seed for requests that give none")
     cpu_kv_cache_max_tokens: int = _f("runtime", 131072, "cap on the default KV-cache size on CPU")

@@ -184,7 +184,7 @@ class ModelRunner:
                 if self._prefill_graph_tokens() and self.attn_backend.supports_prefill_graph:
                     self.prefill_graphs = PrefillGraphRunner(
                         self.model, self.attn_backend, self.token_buf, self._prefill_graph_tokens(),
-                        self._graph_max_bs(), self._plan,
+                        self._graph_max_bs(), self._plan, state_slots=self.state_pool is not None,
                     )
                     pool = self.prefill_graphs.pool  # one pool: the decode graphs reuse its memory
                 self.graph_runner = CudaGraphRunner(
@@ -295,10 +295,8 @@ class ModelRunner:
         return min(self.config.max_running_requests, self.config.cuda_graph_max_bs)
 
     def _prefill_graph_tokens(self) -> int:
-        """The largest prefill / mixed step run as a CUDA graph (0: none): not for hybrid models (their
-        recurrent state), and the backend must also support it (PrefillGraphRunner)."""
-        if self.state_layers:
-            return 0
+        """The largest prefill / mixed step run as a CUDA graph (0: none; the backend must also support
+        it: PrefillGraphRunner)."""
         return min(self.config.prefill_graph_max_tokens, self.config.max_prefill_tokens, self.info.context_length)
 
     def _plan(self, batch: ForwardBatch, backend: AttentionBackend | None = None, states: StatePool | None = None) -> Any:
@@ -444,8 +442,9 @@ class ModelRunner:
         if pg is not None and not prompt_spans and axes is None and images is None:
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
+            states = [r.state_slot or 0 for r in sched.reqs] if self.state_pool is not None else None
             staged_batch = pg.stage(ids, columns, positions, token_rows, fill, rows, seq_lens, list(sched.prefix_lens),
-                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc)
+                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc, states)
             if staged_batch is not None:
                 return staged_batch
         # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,

@@ -19,10 +19,12 @@ read token 0); the lm_head runs after the replay on the step's real rows only, s
 [R, vocab] output. All graphs draw on one memory pool, captured largest first, so their memory is
 about that of the largest step.
 
-Only for steps whose tokens are text through paged attention: no image embeddings and one axis of
-positions (a vision-language model's text after its images, and decodes), no recurrent state (hybrid
-models run eagerly), no prompt logprobs; and for attention backends that plan from device tensors
-(`supports_prefill_graph`). Everything else runs eagerly.
+Hybrid models (Qwen3.5) pass each row's recurrent-state slot: the Gated DeltaNet prefill kernels take
+the rows from cu_seqlens (built in the graph from the extend lengths), so a padding row is a sequence
+of no tokens in the dummy slot 0, and padding tokens, past the last sequence, write only their own
+outputs. Only for steps whose tokens are text: no image embeddings and one axis of positions (a
+vision-language model's text after its images, and decodes), no prompt logprobs; and for attention
+backends that plan from device tensors (`supports_prefill_graph`). Everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ logger = logging.getLogger(__name__)
 # buffer's entry of its request row)
 IDS, COLUMNS, ROPE, LOCS, TOKEN_ROWS, FILL = range(6)
 NUM_TOKEN_FIELDS = 6
-# per-row rows: request row, sequence length after the step, extend length, logits row (a token index)
-ROWS, SEQ_LENS, EXTEND_LENS, LOGIT_ROWS = range(4)
-NUM_ROW_FIELDS = 4
+# per-row rows: request row, sequence length after the step, extend length, logits row (a token index),
+# recurrent-state slot (hybrid models; padding rows: the state pool's dummy slot 0)
+ROWS, SEQ_LENS, EXTEND_LENS, LOGIT_ROWS, STATE = range(5)
+NUM_ROW_FIELDS = 5
 
 _TOKEN_BUCKETS = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
 
@@ -80,13 +83,16 @@ class PrefillGraphRunner:
     def __init__(
         self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, max_tokens: int, max_rows: int,
         plan: Callable[[ForwardBatch], Any] | None = None, new_graph: Callable[[Any], StepGraph] | None = None,
+        state_slots: bool = False,
     ) -> None:  # fmt: skip
         """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device);
-        `plan(batch)`: the step the model takes (default: the backend's attention step);
+        `plan(batch)`: the step the model takes (default: the backend's attention step); `state_slots`:
+        batches carry each row's recurrent-state slot (hybrid models);
         `new_graph(pool)`: a StepGraph drawing on `pool` (default: CudaStepGraph on a side stream;
         tests inject one that reruns the step eagerly)."""
         self.model = model
         self.plan = plan or backend.plan
+        self.with_state_slots = state_slots
         self.token_buf = token_buf
         self.req_to_token = backend.req_to_token
         self.device = dev = token_buf.device
@@ -144,6 +150,7 @@ class PrefillGraphRunner:
             seq_lens_cpu=[t] + [0] * (r - 1),
             prefix_lens_cpu=[0] * r,
             extend_lens_cpu=[t] + [0] * (r - 1),  # the attention grid covers T queries per row
+            state_slots=rows[STATE, :num_rows] if self.with_state_slots else None,
         )
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
@@ -177,6 +184,7 @@ class PrefillGraphRunner:
         extend_lens: list[int],
         logits_rows: list[int],  # the tokens that sample, in sampling order (at most one per row)
         out_cache_loc: torch.Tensor,  # [N] int64 on the device
+        state_slots: list[int] | None = None,  # per row (hybrid models)
     ) -> ForwardBatch | None:
         """Write the step into the inputs of the graph that runs it (None: no graph does). The batch's
         tensors are views of those inputs, valid until the next stage of the same bucket."""
@@ -189,7 +197,7 @@ class PrefillGraphRunner:
         host = [
             *input_ids, *pad_t, *columns, *pad_t, *positions, *pad_t, *[0] * t, *token_rows, *pad_t, *fill, *pad_t,
             *req_pool_indices, *pad_r, *seq_lens, *pad_r, *extend_lens, *pad_r,
-            *logits_rows, *[0] * (_padded(r) - len(logits_rows)),
+            *logits_rows, *[0] * (_padded(r) - len(logits_rows)), *(state_slots or [0] * b), *pad_r,
         ]  # fmt: skip
         flat = self.inputs[key]
         if flat.is_cuda:

@@ -30,8 +30,12 @@ pytestmark = pytest.mark.timeout(1200)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = ck.build_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_5"), "Qwen3.5-0.8B", num_hidden_layers=4,
-                                   head_dim=32, seed=5)
+    return build_long_memory_model(tmp_path_factory.mktemp("qwen3_5"))
+
+
+def build_long_memory_model(out_dir: Path) -> Path:
+    """The tiny Qwen3.5 of this module's docstring (value heads > key heads, decays re-drawn) in `out_dir`."""
+    out = ck.build_tiny_checkpoint(out_dir, "Qwen3.5-0.8B", num_hidden_layers=4, head_dim=32, seed=5)
     text = json.loads((out / "config.json").read_text())["text_config"]
     assert text["linear_num_value_heads"] > text["linear_num_key_heads"]
     g = torch.Generator().manual_seed(11)

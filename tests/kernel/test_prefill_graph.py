@@ -119,3 +119,34 @@ def test_vision_language_text_steps_run_in_prefill_graphs(tmp_path: Path) -> Non
         runs[graphs] = [o.token_ids for o in outs]
     assert runs[True] == runs[False]
     assert any(shifted) and len(shifted) >= 3, shifted
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+def test_hybrid_steps_carry_their_state_through_prefill_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3.5 (long-memory decays): prompts in chunks of 20 that continue from their recurrent state,
+    beside decodes, then a prefix hit from a state snapshot: padded rows in the dummy state slot and
+    padded tokens past the last sequence change nothing; tokens equal the eager run's. The Gated
+    DeltaNet layers run their Triton kernels (conv, chunked rule, recurrent decode, gated norm), as on
+    a GPU, under the interpreter. (Fails when the rows' state slots are not staged.)"""
+    import mllmd.models.layers.gated_deltanet as gdn
+    from tests.engine.test_qwen3_5 import build_long_memory_model, prompt
+
+    monkeypatch.setattr(gdn, "fused_kernels", lambda x: True)
+    model = build_long_memory_model(tmp_path / "q35")
+    prompts = [prompt(1, 45), prompt(2, 7), prompt(3, 30)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = {}
+    RerunGraph.rows.clear()
+    for graphs in (False, True):
+        llm = LLM(str(model), device="cpu", dtype="float32", attention_backend="triton", overlap_schedule=True,
+                  chunked_prefill_size=20, max_prefill_tokens=40, max_running_requests=6, state_snapshot_interval=20)
+        runner = llm.engine.runner
+        if graphs:
+            runner.prefill_graphs = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, 48, 6,
+                                                       runner._plan, new_graph=RerunGraph, state_slots=True)
+        outs = llm.generate(prompts, params) + llm.generate([prompts[0][:41] + prompt(4, 9)], params)
+        assert outs[-1].cached_tokens >= 40  # the snapshot after 40 tokens
+        assert llm.engine.is_idle_and_clean()
+        runs[graphs] = [o.token_ids for o in outs]
+    assert runs[True] == runs[False]
+    assert sum(RerunGraph.rows.values()) >= 4 and len(RerunGraph.rows) >= 2, RerunGraph.rows
