@@ -85,6 +85,7 @@ def test_fp32_greedy_equals_transformers(
     )
     runner = llm.engine.runner
     assert (runner.graph_runner is not None) == (graphs and runner.attn_backend.supports_cuda_graph)
+    assert (runner.prefill_graphs is not None) == (graphs and runner.attn_backend.supports_prefill_graph)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     for got, want in zip(outs, hf_greedy):
         assert got.token_ids == want[: len(got.token_ids)] and len(got.token_ids) == NEW_TOKENS

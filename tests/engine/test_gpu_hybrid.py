@@ -82,6 +82,7 @@ def _llm(path: Path, **kw: Any) -> LLM:
 def test_qwen3_5_greedy_equals_transformers(hybrid: Path, wants: list[list[int]], graphs: bool) -> None:
     llm = _llm(hybrid, disable_cuda_graph=not graphs, chunked_prefill_size=64)
     assert (llm.engine.runner.graph_runner is not None) == graphs
+    assert (llm.engine.runner.prefill_graphs is not None) == graphs  # prefill chunks and mixed steps too
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == wants
     assert llm.engine.is_idle_and_clean()
 
