@@ -113,11 +113,10 @@ class CudaGraphRunner:
 
     def __init__(
         self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, batch_sizes: list[int],
-        plan: Callable[[ForwardBatch], Any] | None = None, pool: Any = None,
+        plan: Callable[[ForwardBatch], Any] | None = None,
     ) -> None:  # fmt: skip
         """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device);
-        `plan(batch)`: the step the model takes (default: the backend's attention step); `pool`: a
-        CUDA graph memory pool to draw on (the prefill graphs'), else a new one."""
+        `plan(batch)`: the step the model takes (default: the backend's attention step)."""
         self.model = model
         self.backend = backend
         self.plan = plan or backend.plan
@@ -139,7 +138,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, CudaStepGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.steps: dict[int, Any] = {}  # each graph's model step, as captured
-        self.pool: Any = pool  # the graphs' memory pool (None: a new one; shared with the prefill graphs)
+        self.pool: Any = None  # the graphs' memory pool, made by the first capture
         self._capture_all()
 
     def _batch(self, size: int, bs: int | None = None) -> ForwardBatch:

@@ -16,8 +16,8 @@ padding, writes nothing).
 
 A graph ends with the final hidden states of the R logits rows (rows past the step's sampling rows
 read token 0); the lm_head runs after the replay on the step's real rows only, so no graph holds a
-[R, vocab] output. All graphs draw on one memory pool, captured largest first, so their memory is
-about that of the largest step.
+[R, vocab] output. The graphs draw on one memory pool (not the decode graphs'), captured largest
+first, so their memory is about that of the largest step.
 
 Hybrid models (Qwen3.5) pass each row's recurrent-state slot: the Gated DeltaNet prefill kernels take
 the rows from cu_seqlens (built in the graph from the extend lengths), so a padding row is a sequence
