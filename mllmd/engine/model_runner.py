@@ -3,10 +3,12 @@ and samples its tokens (keeping each request slot's sampling state and last toke
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,15 @@ class ModelInfo:
     quantization: str | None = None  # "w8a8" | "w4a16" (compressed-tensors) | None
     image_token_id: int | None = None  # vision-language models: the token an image's positions hold
     spatial_merge_size: int = 2  # patches per image token along each side
+
+
+def plan_step(batch: ForwardBatch, backend: AttentionBackend, states: StatePool | None) -> Any:
+    """The step the model takes: the attention step, and for hybrid models the state pools' view."""
+    attn = backend.plan(batch)
+    if states is None:
+        return attn
+    assert batch.state_slots is not None
+    return HybridStep(attn, StateStep(states, batch.is_decode, batch.state_slots, batch.extend_lens))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,13 +194,14 @@ class ModelRunner:
                 if self._prefill_graph_tokens() and self.attn_backend.supports_prefill_graph:
                     self.prefill_graphs = PrefillGraphRunner(
                         self.model, self.attn_backend, self.token_buf, self._prefill_graph_tokens(),
-                        self._graph_max_bs(), self._plan, state_slots=self.state_pool is not None,
+                        self._graph_max_bs(), self._graph_plan(), state_slots=self.state_pool is not None,
                     )
                 # The decode graphs keep a pool of their own, as before the prefill graphs: sharing would
                 # save only their few MB of intermediates, and batch-64 decode measured 2.6% slower on
                 # the H200 in the tree where they shared (cause not isolated: docs/benchmarks.md)
                 self.graph_runner = CudaGraphRunner(
-                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs()), self._plan
+                    self.model, self.attn_backend, self.token_buf, capture_batch_sizes(self._graph_max_bs()),
+                    self._graph_plan(),
                 )
             else:
                 logger.info("%s cannot run in CUDA graphs: decode runs eagerly", type(self.attn_backend).__name__)
@@ -301,12 +313,13 @@ class ModelRunner:
 
     def _plan(self, batch: ForwardBatch, backend: AttentionBackend | None = None, states: StatePool | None = None) -> Any:
         """The step the model takes: the attention step, and for hybrid models the state pools' view."""
-        attn = (backend or self.attn_backend).plan(batch)
-        pool = states or self.state_pool
-        if pool is None:
-            return attn
-        assert batch.state_slots is not None
-        return HybridStep(attn, StateStep(pool, batch.is_decode, batch.state_slots, batch.extend_lens))
+        return plan_step(batch, backend or self.attn_backend, states or self.state_pool)
+
+    def _graph_plan(self) -> Callable[[ForwardBatch], Any]:
+        """`_plan` for the CUDA graph runners, holding the backend and state pool but not the runner:
+        a bound method would make runner and graphs a reference cycle, and `del llm` would keep the
+        KV pool on the device until Python's cycle collector happened to run."""
+        return functools.partial(plan_step, backend=self.attn_backend, states=self.state_pool)
 
     def _scratch_batch(self, prefix_lens: list[int], extend_lens: list[int]) -> tuple[ForwardBatch, Any]:
         """A batch over a private KV pool, request table (and state pool) with random tokens, and its step:

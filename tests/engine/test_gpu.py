@@ -215,3 +215,25 @@ def test_cuda_graph_replay_writes_only_its_own_memory(model_0_6b: Path):
     torch.cuda.synchronize()
     changed = [t.numel() for t in held if not bool((t == 0x5A).all())]
     assert not changed, f"graph replays wrote into {len(changed)} blocks outside their pool (sizes {changed[:8]})"
+
+
+def test_deleting_the_llm_frees_its_device_memory_at_once(model_0_6b: Path):
+    """No reference cycle through the CUDA graph runners: `del llm` frees the KV pool and the graphs
+    without waiting for Python's cycle collector (a second LLM in the same process would otherwise find
+    the device full: bench.ttft did)."""
+    import gc
+    import weakref
+
+    llm = _llm(model_0_6b, dtype="bfloat16", disable_cuda_graph=False)
+    llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, temperature=0.0))
+    runner = weakref.ref(llm.engine.runner)
+    assert llm.engine.runner.graph_runner is not None and llm.engine.runner.prefill_graphs is not None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None, "the model runner outlived its LLM: a reference cycle holds it"
+        assert torch.cuda.memory_allocated() < before - (64 << 20)
+    finally:
+        gc.enable()
