@@ -1,4 +1,4 @@
-"""decode_inputs: the first kernel of a decode CUDA graph, which completes the step's inputs in place.
+"""decode_inputs: the first kernel of a decode (or prefill) CUDA graph, which completes the step's inputs in place.
 
 With overlap scheduling a decode's input token is usually still on the device (the previous step
 sampled it into the engine's token buffer, one entry per request row), and every decode writes its
