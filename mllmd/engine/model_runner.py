@@ -24,7 +24,7 @@ from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
 from mllmd.engine.model_forward import forward_logits
-from mllmd.engine.prefill_graph import PrefillGraphRunner
+from mllmd.engine.prefill_graph import PrefillGraphRunner, token_buckets
 from mllmd.engine.request import PLACEHOLDER, Req
 from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
 from mllmd.engine.sampling.sampler import TokenMask
@@ -285,7 +285,7 @@ class ModelRunner:
             graphs = sum(capture_batch_sizes(self._graph_max_bs())) * vocab * 6 + (64 << 20)
             prefill_graph_tokens = self._prefill_graph_tokens()
             if prefill_graph_tokens:  # their pool holds the activations of the largest one, as profiled
-                graphs += self.profile_step_bytes(-(-prefill_graph_tokens // 16) * 16)
+                graphs += self.profile_step_bytes(token_buckets(prefill_graph_tokens)[-1])
         budget = kv_budget_bytes(mem, self.config.mem_fraction_static, activations, sampler, graphs)
         self._kv_budget_detail = (
             f"KV budget {budget / 1e9:.2f} GB: device {mem.total / 1e9:.1f} GB x {self.config.mem_fraction_static:.2f} "
