@@ -77,7 +77,10 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 class StepGraph(Protocol):
     """A recorded step: `capture(run)` records `run` once and returns its output tensor; each
-    `replay()` reruns it on the same memory (the output tensor is refreshed in place)."""
+    `replay()` reruns it on the same memory (the output tensor is refreshed in place). `pool`: the
+    memory pool the next capture may share (None where there is none)."""
+
+    pool: Any
 
     def capture(self, run: Callable[[], torch.Tensor]) -> torch.Tensor: ...
 

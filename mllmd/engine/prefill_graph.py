@@ -117,7 +117,7 @@ class PrefillGraphRunner:
             for key in sorted(self.keys, reverse=True):  # largest first: the smaller steps reuse its memory
                 graph = new_graph(self.pool)
                 self.hidden[key] = graph.capture(functools.partial(self._step, key))
-                self.pool = getattr(graph, "pool", None)
+                self.pool = graph.pool
                 self.graphs[key] = graph
         if stream is not None:
             torch.cuda.current_stream(dev).wait_stream(stream)

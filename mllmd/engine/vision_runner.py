@@ -87,28 +87,20 @@ def mrope_step_positions(reqs: Sequence[Req], prefix_lens: Sequence[int], extend
     a prompt with images whose axes are not all index + delta (an image, or text before an image); None
     when every token sits at its index + its request's delta on all three axes (text after the last
     image, decodes: one row of positions serves, and the step may run as a CUDA graph)."""
-    if not any(_needs_axes(r, p, n) for r, p, n in zip(reqs, prefix_lens, extend_lens)):
-        return None
+    if not any(r.mrope_positions is not None and p < r.mrope_positions.shape[1] for r, p in zip(reqs, prefix_lens)):
+        return None  # no prompt token of a prompt with images (decodes, text prompts): nothing to read
     axes: list[list[int]] = [[], [], []]
+    shifted = False  # some token off index + delta: the three axes are needed
     for req, p, n in zip(reqs, prefix_lens, extend_lens):
         pos = req.mrope_positions
-        known = pos.shape[1] if pos is not None else 0
-        upto = min(p + n, known)
+        upto = min(p + n, pos.shape[1]) if pos is not None else 0
+        tail = range(max(p, upto) + req.mrope_delta, p + n + req.mrope_delta)  # past the prompt's table
+        prompt = pos[:, p:upto].tolist() if p < upto else [[], [], []]
+        shifted = shifted or any(axis != list(range(p + req.mrope_delta, upto + req.mrope_delta)) for axis in prompt)
         for a in range(3):
-            if p < upto:
-                axes[a] += pos[a, p:upto].tolist()
-            axes[a] += range(max(p, upto) + req.mrope_delta, p + n + req.mrope_delta)
-    return axes[0] + axes[1] + axes[2]
-
-
-def _needs_axes(req: Req, p: int, n: int) -> bool:
-    """Whether tokens [p, p + n) of `req` include a prompt position other than index + delta on some axis."""
-    pos = req.mrope_positions
-    upto = min(p + n, pos.shape[1]) if pos is not None else 0
-    if p >= upto:
-        return False
-    want = list(range(p + req.mrope_delta, upto + req.mrope_delta))
-    return any(axis != want for axis in pos[:, p:upto].tolist())
+            axes[a] += prompt[a]
+            axes[a] += tail
+    return axes[0] + axes[1] + axes[2] if shifted else None
 
 
 def _on_device(pixels: Any, device: torch.device) -> torch.Tensor:
