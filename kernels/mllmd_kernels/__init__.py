@@ -36,7 +36,7 @@ from mllmd_kernels.int8_gemm import (
 from mllmd_kernels.int8_quant import int8_quant, int8_quant_ref
 from mllmd_kernels.kv_indices import kv_indices, kv_indices_ref
 from mllmd_kernels.rmsnorm import rmsnorm, rmsnorm_int8, rmsnorm_int8_ref, rmsnorm_ref
-from mllmd_kernels.rope import rope, rope_ref
+from mllmd_kernels.rope import rope, rope_fp32_ref, rope_ref
 from mllmd_kernels.sampling import (
     GreedyWorkspace,
     greedy_argmax,
@@ -121,6 +121,7 @@ __all__ = [
     "rmsnorm_int8_ref",
     "rmsnorm_ref",
     "rope",
+    "rope_fp32_ref",
     "rope_ref",
     "silu_and_mul",
     "silu_and_mul_int8",

@@ -42,6 +42,20 @@ def rope_ref(
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+def rope_fp32_ref(
+    positions: torch.Tensor,  # [T] int64
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    cos_cache: torch.Tensor,  # [P, D] fp32
+    sin_cache: torch.Tensor,  # [P, D] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of rope(..., round_products=False): the rotation in float32, one rounding."""
+    cos = cos_cache[positions].unsqueeze(1)  # [T, 1, D]
+    sin = sin_cache[positions].unsqueeze(1)
+    qf, kf = q.float(), k.float()
+    return (qf * cos + _rotate_half(qf) * sin).to(q.dtype), (kf * cos + _rotate_half(kf) * sin).to(k.dtype)
+
+
 @triton.jit
 def _rope_kernel(
     pos_ptr,  # [T] int64
@@ -75,6 +89,7 @@ def _rope_kernel(
     eps,
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    ROUND_PRODUCTS: tl.constexpr,  # each product rounded to the dtype (the text models) or one rounding (fp32)
     BLOCK_HEADS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -135,15 +150,21 @@ def _rope_kernel(
         x2 = (x2 * rstd).to(src.dtype.element_ty).to(tl.float32)
         x1 = (w1 * x1).to(dst.dtype.element_ty).to(tl.float32)
         x2 = (w2 * x2).to(dst.dtype.element_ty).to(tl.float32)
-    c1 = c1.to(dst.dtype.element_ty).to(tl.float32)[None, :]  # the torch module casts cos/sin first
-    c2 = c2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
-    s1 = s1.to(dst.dtype.element_ty).to(tl.float32)[None, :]
-    s2 = s2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
-    # Round each product to the data type, as torch's q * cos + rotate_half(q) * sin does.
-    a1 = (x1 * c1).to(dst.dtype.element_ty).to(tl.float32)
-    b1 = (-x2 * s1).to(dst.dtype.element_ty).to(tl.float32)
-    a2 = (x2 * c2).to(dst.dtype.element_ty).to(tl.float32)
-    b2 = (x1 * s2).to(dst.dtype.element_ty).to(tl.float32)
+    if ROUND_PRODUCTS:
+        c1 = c1.to(dst.dtype.element_ty).to(tl.float32)[None, :]  # the torch module casts cos/sin first
+        c2 = c2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+        s1 = s1.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+        s2 = s2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+        # Round each product to the data type, as torch's q * cos + rotate_half(q) * sin does.
+        a1 = (x1 * c1).to(dst.dtype.element_ty).to(tl.float32)
+        b1 = (-x2 * s1).to(dst.dtype.element_ty).to(tl.float32)
+        a2 = (x2 * c2).to(dst.dtype.element_ty).to(tl.float32)
+        b2 = (x1 * s2).to(dst.dtype.element_ty).to(tl.float32)
+    else:  # q.float() * cos + rotate_half(q.float()) * sin, rounded once (the vision tower's rotary)
+        a1 = x1 * c1[None, :]
+        b1 = -x2 * s1[None, :]
+        a2 = x2 * c2[None, :]
+        b2 = x1 * s2[None, :]
     tl.store(dst_ptrs, (a1 + b1).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst_ptrs + HALF, (a2 + b2).to(dst.dtype.element_ty), mask=mask)
 
@@ -160,8 +181,13 @@ def rope(
     q_out: torch.Tensor | None = None,  # [T, Hq, D]; may be q itself (in place)
     k_out: torch.Tensor | None = None,
     kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    round_products: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton RoPE (+ QK-norm when both norm weights are given); same results as rope_ref.
+
+    `round_products=False`: the rotation in float32 with one rounding to the output dtype, as
+    `rope_fp32_ref` (the vision tower's rotary), instead of each product rounded as the text models'
+    torch code does it.
 
     `kv_cache` = (v [T, Hkv, D], k_cache [S, Hkv, D], v_cache, loc [T] int64): write the rotated k to
     k_cache[loc] and v to v_cache[loc] (as `store_cache` would) instead of returning k; the second
@@ -199,7 +225,8 @@ def rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         q_out.stride(0), q_out.stride(1), k_dst.stride(0), k_dst.stride(1), *v_strides, vc_stride,
         cos_cache.stride(0), sin_cache.stride(0), eps,
-        HAS_NORM=has_norm, STORE_KV=kv_cache is not None, BLOCK_HEADS=block_heads, BLOCK=block,
+        HAS_NORM=has_norm, STORE_KV=kv_cache is not None, ROUND_PRODUCTS=round_products,
+        BLOCK_HEADS=block_heads, BLOCK=block,
         num_warps=4 if block_heads * block >= 512 else 1, **pdl_args(q),
     )  # fmt: skip
     return q_out, k_out

@@ -28,7 +28,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from mllmd_kernels import rope
 from torch import nn
+
+from mllmd.models.layers.dispatch import fused_kernels
 
 VISUAL_PREFIX = "model.visual."
 
@@ -109,6 +112,7 @@ class VisionInputs:
     sin: torch.Tensor  # [N, head_dim] fp32
     pos_index: torch.Tensor  # [N, 4] int64 rows of the position table
     pos_weight: torch.Tensor  # [N, 4] fp32 bilinear weights
+    rows: torch.Tensor  # [N] int64 0..N-1: each patch's row of cos / sin (for the rope kernel)
 
     @property
     def num_patches(self) -> int:
@@ -168,9 +172,12 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, inputs: VisionInputs) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, heads, head_dim]
-        cos, sin = inputs.cos.unsqueeze(1), inputs.sin.unsqueeze(1)  # [N, 1, head_dim] fp32
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        if fused_kernels(x):  # one launch for both, in float32 with one rounding as below
+            q, k = rope(inputs.rows, q, k, inputs.cos, inputs.sin, round_products=False)
+        else:
+            cos, sin = inputs.cos.unsqueeze(1), inputs.sin.unsqueeze(1)  # [N, 1, head_dim] fp32
+            q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+            k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
         out = vision_attention(q, k, v, inputs, self.scale)
         return self.proj(out.reshape(n, -1))
 
@@ -316,7 +323,8 @@ class Qwen3VLVisionModel(nn.Module):
         seg = _to_device(seqlens, torch.int32, device)
         cu_seqlens = F.pad(torch.cumsum(seg, 0, dtype=torch.int32), (1, 0))
         return VisionInputs(
-            grids, seqlens, cu_seqlens, max(seqlens), angles.cos(), angles.sin(), pos_index, pos_weight
+            grids, seqlens, cu_seqlens, max(seqlens), angles.cos(), angles.sin(), pos_index, pos_weight,
+            torch.arange(n, device=device),
         )
 
     def _positions(self, inputs: VisionInputs) -> torch.Tensor:

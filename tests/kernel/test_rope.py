@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mllmd_kernels import rope, rope_ref, store_cache
+from mllmd_kernels import rope, rope_fp32_ref, rope_ref, store_cache
 from mllmd_kernels.testing import (
     DTYPES_WITH_FP32,
     close_tol,
@@ -118,3 +118,25 @@ def test_rope_kv_cache_needs_the_output_dtype() -> None:
     loc = torch.tensor([1], device=DEVICE)
     with pytest.raises(AssertionError, match="K cache"):
         rope(torch.tensor([0], device=DEVICE), q, k, rot.cos_cache, rot.sin_cache, kv_cache=(k, caches, caches, loc))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_rotation_rounds_once(dtype: torch.dtype) -> None:
+    """round_products=False (the vision tower's rotary): q / k of a fused qkv row [N, 3, H, D] rotated in
+    float32 by per-token cos / sin tables and rounded once, as rope_fp32_ref; and not what the
+    per-product rounding of the text route gives (the flag changes the numerics it says it does)."""
+    g = torch.Generator().manual_seed(11)
+    n, h, d = 37, 4, 32
+    qkv = randn(n, 3 * h * d, dtype=dtype, device=DEVICE, gen=g, scale=3.0).view(n, 3, h, d)
+    q, k = qkv[:, 0], qkv[:, 1]
+    angles = torch.rand(n, d // 2, generator=g) * 40
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(DEVICE) for f in (torch.cos, torch.sin))
+    rows = torch.arange(n, device=DEVICE)
+    got_q, got_k = rope(rows, q, k, cos, sin, round_products=False)
+    exp_q, exp_k = rope_fp32_ref(rows, q, k, cos, sin)
+    torch.testing.assert_close(got_q, exp_q, atol=0, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10)
+    torch.testing.assert_close(got_k, exp_k, atol=0, rtol=2**-7 if dtype == torch.bfloat16 else 2**-10)
+    if dtype == torch.float16 or on_gpu():  # the interpreter's float32 -> bfloat16 cast is not round-to-nearest
+        assert (got_q == exp_q).float().mean() > 0.99  # one rounding: equal but for rare fp32 ties
+    rounded_q, _ = rope_ref(rows, q, k, cos, sin)
+    assert (rounded_q != exp_q).any()
