@@ -2,6 +2,11 @@
 
 Per-step metadata is built on the device from the batch's tensors (no host synchronisation); the
 only host values used are the batch size and max(extend_lens_cpu), which the scheduler already knows.
+
+Long prompts with no cached prefix (every row of an eager step starts at position 0 and has at least
+DENSE_PREFILL_MIN_TOKENS tokens) attend through torch's SDPA (FlashAttention / cuDNN) over their own
+K/V, gathered from the pool in order: the paged extend kernel's indirect loads run it at about a third
+of the tensor cores' rate there, and a gather of one layer's K/V costs a few microseconds.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from mllmd_kernels import decode_attention, decode_num_splits, extend_attention
 from mllmd_kernels._triton import sm_count_for
 
@@ -28,6 +34,55 @@ class _DecodeMeta:
 class _ExtendMeta:
     qo_start: torch.Tensor  # [B] int64 first query row of each batch row
     max_extend_len: int
+    dense_rows: list[tuple[int, int]] | None = None  # (first token, tokens) per row for the SDPA route
+
+
+# Rows of at least this many new tokens and no prefix go through SDPA (H200 sweep in docs/benchmarks.md).
+DENSE_PREFILL_MIN_TOKENS = 1024
+# SDPA's fast kernels take these; float32 keeps the extend kernel (SDPA would fall back to its math path).
+DENSE_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
+# enable_gqa is torch >= 2.5 (Jetson's torch 2.4 repeats the KV heads instead).
+_SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
+
+
+def _dense_rows(batch: ForwardBatch, dtype: torch.dtype) -> list[tuple[int, int]] | None:
+    """The rows of an eager prefill step that all start at position 0 with enough tokens for SDPA."""
+    if (batch.prefill_graph is not None or batch.graph_size or dtype not in DENSE_PREFILL_DTYPES
+            or not batch.extend_lens_cpu or any(batch.prefix_lens_cpu)
+            or min(batch.extend_lens_cpu) < DENSE_PREFILL_MIN_TOKENS):  # fmt: skip
+        return None
+    rows, start = [], 0
+    for n in batch.extend_lens_cpu:
+        rows.append((start, n))
+        start += n
+    return rows
+
+
+def dense_causal_attention(
+    q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, slots: torch.Tensor,
+    rows: list[tuple[int, int]], scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Causal attention of each row's tokens over themselves: q [T, Hq, D], K/V read from the pool at
+    `slots` [T] (the step's own slots, in token order) -> out [T, Hq, D]."""
+    hq, hkv = q.shape[1], k_buf.shape[1]
+    out = q.new_empty(q.shape) if len(rows) > 1 else None
+    for start, n in rows:
+        idx = slots[start : start + n]
+        k = k_buf.index_select(0, idx).transpose(0, 1)  # [Hkv, n, D]
+        v = v_buf.index_select(0, idx).transpose(0, 1)
+        qh = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        if _SDPA_GQA:
+            o = F.scaled_dot_product_attention(qh[None], k[None], v[None], is_causal=True, scale=scale,
+                                               enable_gqa=hq != hkv)[0]  # fmt: skip
+        else:
+            group = hq // hkv
+            o = F.scaled_dot_product_attention(qh[None], k.repeat_interleave(group, 0)[None],
+                                               v.repeat_interleave(group, 0)[None], is_causal=True, scale=scale)[0]  # fmt: skip
+        if out is None:
+            return o.transpose(0, 1)
+        out[start : start + n] = o.transpose(0, 1)
+    assert out is not None
+    return out
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -40,7 +95,8 @@ class TritonAttentionBackend(AttentionBackend):
             kv_heads = self.kv_pool.k_buffer[0].shape[1]
             return _DecodeMeta(decode_num_splits(batch.batch_size, kv_heads, sm_count_for(batch.seq_lens)))
         qo_start = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens  # [B]
-        return _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0))
+        dense = _dense_rows(batch, self.kv_pool.k_buffer[0].dtype)
+        return _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0), dense)
 
     def attend(
         self, step: PagedAttentionStep, layer: int, q: torch.Tensor, scale: float, out_absmax: bool
@@ -64,6 +120,8 @@ class TritonAttentionBackend(AttentionBackend):
                 num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse, out_amax=out_amax,
             )
             return out, out_amax
+        if meta.dense_rows is not None:
+            return dense_causal_attention(q, k_buf, v_buf, batch.out_cache_loc, meta.dense_rows, scale), None
         out = extend_attention(
             q, k_buf, v_buf, self.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
             meta.qo_start, meta.max_extend_len, scale,
