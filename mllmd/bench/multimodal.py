@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ from PIL import Image
 
 from mllmd import LLM
 from mllmd.bench.one_batch import (
+    _Profiler,
     _sync,
     decode_step_bytes,
     measure_copy_bandwidth,
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--run-name", default="multimodal")
     ap.add_argument("--result-filename", default=None, help="append the JSON line here")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="after the timed repeats, profile one more case's tower, prefill and decode steps into DIR")
     args = ap.parse_args(argv)
     width, height = (int(v) for v in args.image_size.lower().split("x"))
     llm = LLM(args.model_path, dtype=args.dtype, device=args.device, max_running_requests=1,
@@ -162,6 +166,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         vit.append(v), prefill.append(p), decode.append(d)
         if hf is not None:
             hf_vit.append(hv), hf_prefill.append(hp), hf_decode.append(hd)
+
+    if args.profile:  # a fresh picture, so the tower runs inside the profiled prefill too
+        Path(args.profile).mkdir(parents=True, exist_ok=True)
+        ids_p, images_p = image_prompt(llm, synthetic_image(width, height, args.seed - 1), args.input_len, args.seed - 1)
+        with _Profiler(str(Path(args.profile) / "vit.json"), info.device):
+            time_vit(llm, images_p[0])
+        with _Profiler(str(Path(args.profile) / "prefill.json"), info.device):
+            time_prefill(llm, [ids_p], [images_p])
+        time_engine(llm, [ids_p], min(args.output_len, 8), str(Path(args.profile) / "decode.json"), "decode", images=[images_p])
 
     ids, images, pic = cases[0]
     step = statistics.median(decode)

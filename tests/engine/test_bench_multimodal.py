@@ -50,3 +50,13 @@ def test_prompt_padding_keeps_the_image_and_the_template_tail(tiny_vl: Path) -> 
     assert ids[-tail:] == plain[-tail:]
     with pytest.raises(SystemExit, match="shorter than the image prompt"):
         multimodal.image_prompt(llm, pic, len(plain) - 1, seed=3)
+
+
+def test_profile_writes_the_tower_prefill_and_decode_tables(tiny_vl: Path, tmp_path: Path) -> None:
+    prof = tmp_path / "prof"
+    multimodal.main(["--model-path", str(tiny_vl), "--image-size", "100x75", "--input-len", "120", "--output-len", "4",
+                     "--repeats", "1", "--device", "cpu", "--dtype", "float32", "--profile", str(prof)])
+    for name in ("vit", "prefill", "decode"):
+        table = (prof / f"{name}.txt").read_text()
+        assert "aten::" in table, name  # a CPU op table of that phase
+    assert "aten::conv3d" in (prof / "vit.txt").read_text() or "aten::linear" in (prof / "vit.txt").read_text()
