@@ -150,21 +150,25 @@ def _rope_kernel(
         x2 = (x2 * rstd).to(src.dtype.element_ty).to(tl.float32)
         x1 = (w1 * x1).to(dst.dtype.element_ty).to(tl.float32)
         x2 = (w2 * x2).to(dst.dtype.element_ty).to(tl.float32)
+    c1 = c1[None, :]  # [1, BLOCK]: the same shape in both branches below
+    c2 = c2[None, :]
+    s1 = s1[None, :]
+    s2 = s2[None, :]
     if ROUND_PRODUCTS:
-        c1 = c1.to(dst.dtype.element_ty).to(tl.float32)[None, :]  # the torch module casts cos/sin first
-        c2 = c2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
-        s1 = s1.to(dst.dtype.element_ty).to(tl.float32)[None, :]
-        s2 = s2.to(dst.dtype.element_ty).to(tl.float32)[None, :]
+        c1 = c1.to(dst.dtype.element_ty).to(tl.float32)  # the torch module casts cos/sin first
+        c2 = c2.to(dst.dtype.element_ty).to(tl.float32)
+        s1 = s1.to(dst.dtype.element_ty).to(tl.float32)
+        s2 = s2.to(dst.dtype.element_ty).to(tl.float32)
         # Round each product to the data type, as torch's q * cos + rotate_half(q) * sin does.
         a1 = (x1 * c1).to(dst.dtype.element_ty).to(tl.float32)
         b1 = (-x2 * s1).to(dst.dtype.element_ty).to(tl.float32)
         a2 = (x2 * c2).to(dst.dtype.element_ty).to(tl.float32)
         b2 = (x1 * s2).to(dst.dtype.element_ty).to(tl.float32)
     else:  # q.float() * cos + rotate_half(q.float()) * sin, rounded once (the vision tower's rotary)
-        a1 = x1 * c1[None, :]
-        b1 = -x2 * s1[None, :]
-        a2 = x2 * c2[None, :]
-        b2 = x1 * s2[None, :]
+        a1 = x1 * c1
+        b1 = -x2 * s1
+        a2 = x2 * c2
+        b2 = x1 * s2
     tl.store(dst_ptrs, (a1 + b1).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst_ptrs + HALF, (a2 + b2).to(dst.dtype.element_ty), mask=mask)
 

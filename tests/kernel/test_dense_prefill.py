@@ -36,6 +36,15 @@ def test_dense_attention_equals_the_extend_reference(gqa_kwarg: bool, monkeypatc
     torch.testing.assert_close(one, want[:13], rtol=1e-5, atol=1e-5)
 
 
+def test_dense_route_follows_the_h200_sweep() -> None:
+    """The measured crossovers: 8B (32 heads of 128) wins from 2,048 tokens, VL-2B (16 of 128) from
+    4,096, Qwen3.5 (16 of 256) from 1,024; nothing below 1,024."""
+    assert not tb.dense_pays(1024, 32, 128) and tb.dense_pays(2048, 32, 128)
+    assert not tb.dense_pays(2048, 16, 128) and tb.dense_pays(4096, 16, 128)
+    assert tb.dense_pays(1024, 16, 256) and not tb.dense_pays(1023, 16, 256)
+    assert not tb.dense_pays(512, 64, 128)
+
+
 @pytest.mark.skipif(not HAS_TRITON or not (GPU or interpreting()), reason="needs CUDA or the Triton interpreter")
 def test_engine_tokens_equal_the_extend_kernel(qwen3_tied: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fresh prompts (no prefix) of 9+ tokens take the SDPA route when the threshold allows it; prefix
@@ -51,6 +60,7 @@ def test_engine_tokens_equal_the_extend_kernel(qwen3_tied: Path, monkeypatch: py
     results = {}
     for threshold in (9, 10**9):
         monkeypatch.setattr(tb, "DENSE_PREFILL_MIN_TOKENS", threshold)
+        monkeypatch.setattr(tb, "DENSE_PREFILL_MIN_HEAD_TOKENS", 0)
         calls.clear()
         llm = LLM(str(qwen3_tied), device=device, dtype="float32", attention_backend="triton",
                   max_total_tokens=4096, chunked_prefill_size=0)  # fmt: skip

@@ -133,7 +133,7 @@ def test_rope_reads_only_step_constants_before_the_pdl_wait() -> None:
     types = {"pos_ptr": "*i64", "loc_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
              "k_out_ptr": "*bf16", "v_ptr": "*bf16", "v_cache_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
              "eps": "fp32"}  # fmt: skip
-    lines = _kernel_ptx(_rope_kernel, dict(HAS_NORM=True, STORE_KV=True, BLOCK_HEADS=8, BLOCK=64), types)
+    lines = _kernel_ptx(_rope_kernel, dict(HAS_NORM=True, STORE_KV=True, ROUND_PRODUCTS=True, BLOCK_HEADS=8, BLOCK=64), types)
     loads, writes = _before_wait(lines)
     assert not writes, f"global memory written before griddepcontrol.wait: {writes}"
     # pos, loc, the four cos/sin halves and the two weight halves: one load instruction a thread each

@@ -3,10 +3,10 @@
 Per-step metadata is built on the device from the batch's tensors (no host synchronisation); the
 only host values used are the batch size and max(extend_lens_cpu), which the scheduler already knows.
 
-Long prompts with no cached prefix (every row of an eager step starts at position 0 and has at least
-DENSE_PREFILL_MIN_TOKENS tokens) attend through torch's SDPA (FlashAttention / cuDNN) over their own
-K/V, gathered from the pool in order: the paged extend kernel's indirect loads run it at about a third
-of the tensor cores' rate there, and a gather of one layer's K/V costs a few microseconds.
+Long prompts with no cached prefix (every row of an eager step starts at position 0 and is long
+enough for `dense_pays`) attend through torch's SDPA (FlashAttention / cuDNN) over their own K/V,
+gathered from the pool in order: the paged extend kernel's indirect loads run it at about a third of
+the tensor cores' rate there, and a gather of one layer's K/V costs a few microseconds.
 """
 
 from __future__ import annotations
@@ -34,19 +34,31 @@ class _DecodeMeta:
 class _ExtendMeta:
     qo_start: torch.Tensor  # [B] int64 first query row of each batch row
     max_extend_len: int
-    dense_rows: list[tuple[int, int]] | None = None  # (first token, tokens) per row for the SDPA route
+    dense_rows: list[tuple[int, int]] | None = None  # (first token, tokens) per row, if SDPA may pay
 
 
-# Rows of at least this many new tokens and no prefix go through SDPA (H200 sweep in docs/benchmarks.md).
+# When SDPA beats the paged extend kernel (H200 sweep, scripts/dense_prefill_sweep.py, docs/benchmarks.md):
+# never below 1,024 tokens a row; at head_dim <= 128 only from 65,536 tokens x query heads (8B's 32 heads
+# win from 2,048 tokens, VL-2B's 16 only from 4,096); at head_dim 256 (Qwen3.5) from 1,024 tokens.
 DENSE_PREFILL_MIN_TOKENS = 1024
+DENSE_PREFILL_MIN_HEAD_TOKENS = 65536
 # SDPA's fast kernels take these; float32 keeps the extend kernel (SDPA would fall back to its math path).
 DENSE_PREFILL_DTYPES = (torch.bfloat16, torch.float16)
 # enable_gqa is torch >= 2.5 (Jetson's torch 2.4 repeats the KV heads instead).
 _SDPA_GQA = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 5)
 
 
+def dense_pays(tokens: int, q_heads: int, head_dim: int) -> bool:
+    """Whether SDPA over gathered K/V is faster than the paged extend kernel for fresh rows of at least
+    `tokens` tokens."""
+    if tokens < DENSE_PREFILL_MIN_TOKENS:
+        return False
+    return head_dim > 128 or tokens * q_heads >= DENSE_PREFILL_MIN_HEAD_TOKENS
+
+
 def _dense_rows(batch: ForwardBatch, dtype: torch.dtype) -> list[tuple[int, int]] | None:
-    """The rows of an eager prefill step that all start at position 0 with enough tokens for SDPA."""
+    """The rows of an eager prefill step that all start at position 0 with enough tokens that SDPA may
+    pay (attend() decides with the layer's head counts)."""
     if (batch.prefill_graph is not None or batch.graph_size or dtype not in DENSE_PREFILL_DTYPES
             or not batch.extend_lens_cpu or any(batch.prefix_lens_cpu)
             or min(batch.extend_lens_cpu) < DENSE_PREFILL_MIN_TOKENS):  # fmt: skip
@@ -120,7 +132,7 @@ class TritonAttentionBackend(AttentionBackend):
                 num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse, out_amax=out_amax,
             )
             return out, out_amax
-        if meta.dense_rows is not None:
+        if meta.dense_rows is not None and dense_pays(min(n for _, n in meta.dense_rows), q.shape[1], q.shape[2]):
             return dense_causal_attention(q, k_buf, v_buf, batch.out_cache_loc, meta.dense_rows, scale), None
         out = extend_attention(
             q, k_buf, v_buf, self.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
