@@ -35,6 +35,7 @@ class _ExtendMeta:
     qo_start: torch.Tensor  # [B] int64 first query row of each batch row
     max_extend_len: int
     dense_rows: list[tuple[int, int]] | None = None  # (first token, tokens) per row, if SDPA may pay
+    dense_min_tokens: int = 0  # the shortest of dense_rows (attend() asks dense_pays with it)
 
 
 # When SDPA beats the paged extend kernel (H200 sweep, scripts/dense_prefill_sweep.py, docs/benchmarks.md):
@@ -108,7 +109,8 @@ class TritonAttentionBackend(AttentionBackend):
             return _DecodeMeta(decode_num_splits(batch.batch_size, kv_heads, sm_count_for(batch.seq_lens)))
         qo_start = torch.cumsum(batch.extend_lens, dim=0) - batch.extend_lens  # [B]
         dense = _dense_rows(batch, self.kv_pool.k_buffer[0].dtype)
-        return _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0), dense)
+        shortest = min(n for _, n in dense) if dense else 0
+        return _ExtendMeta(qo_start, max(batch.extend_lens_cpu, default=0), dense, shortest)
 
     def attend(
         self, step: PagedAttentionStep, layer: int, q: torch.Tensor, scale: float, out_absmax: bool
@@ -132,7 +134,7 @@ class TritonAttentionBackend(AttentionBackend):
                 num_splits=meta.num_splits, mid_o=meta.mid_o, mid_lse=meta.mid_lse, out_amax=out_amax,
             )
             return out, out_amax
-        if meta.dense_rows is not None and dense_pays(min(n for _, n in meta.dense_rows), q.shape[1], q.shape[2]):
+        if meta.dense_rows is not None and dense_pays(meta.dense_min_tokens, q.shape[1], q.shape[2]):
             return dense_causal_attention(q, k_buf, v_buf, batch.out_cache_loc, meta.dense_rows, scale), None
         out = extend_attention(
             q, k_buf, v_buf, self.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.extend_lens,
