@@ -123,6 +123,17 @@ def cpu_row_chunk(vocab_size: int) -> int:
     return max(1, (1 << 17) // max(1, vocab_size))
 
 
+def add_gumbel_noise_(z: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """In place: z [N, V] float32 += the dense noise of keys [N, 2] (the values of z + gumbel_noise,
+    without the [N, V] noise tensor; chunked by rows on CPU). Returns z."""
+    n, vocab_size = z.shape
+    cols = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]  # [1, V]
+    step = cpu_row_chunk(vocab_size) if keys.device.type == "cpu" else n
+    for i in range(0, n, step):
+        z[i : i + step] += gumbel(keys[i : i + step], cols)
+    return z
+
+
 def gumbel_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Dense noise for every column: keys [N, 2] -> float32 [N, V] (chunked by rows on CPU)."""
     cols = torch.arange(vocab_size, dtype=torch.int64, device=keys.device)[None, :]  # [1, V]

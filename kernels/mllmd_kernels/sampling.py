@@ -6,7 +6,9 @@ stateless Gumbel noise of `gumbel` (32-bit lowbias32 hashes of the column
 under the row key k, mapped to (0, 1) and through -log(-log(u)) in float64, rounded to float32).
 Ties go to the smallest column, as torch.argmax does. One program per row: a pass for the row max,
 then a pass that hashes, adds and keeps the running argmax, so the [rows, V] noise and score tensors
-the torch path materialises are never written.
+the torch path materialises are never written. With `floors` (a filtered row: top-k, top-p, min-p keep
+the tokens whose scaled logit z is at least some threshold, filters.py) only the columns with
+z >= floor[s] compete: the sampler's filtered path, without its [rows, V] candidate and noise tensors.
 
 The hash runs on uint32 words held in int64 and masked after each multiply, exactly as the torch
 code does (products stay below 2^63), so the words are identical on any device.
@@ -31,11 +33,16 @@ def gumbel_argmax_ref(
     rows: torch.Tensor,  # [S] int64: the logits row of each sampled row
     keys: torch.Tensor,  # [S, 2] int64 row keys (gumbel.row_keys)
     temperatures: torch.Tensor,  # [S] float32 > 0
+    floors: torch.Tensor | None = None,  # [S] float32: only columns with z >= floor compete
 ) -> torch.Tensor:
-    """Torch reference, the sampler's own unfiltered path: int64 [S]."""
+    """Torch reference, the sampler's own unfiltered path (with floors: the filtered one's candidates):
+    int64 [S]."""
     x = logits[rows].float()
     z = (x - x.max(dim=-1, keepdim=True).values).div_(temperatures[:, None])
-    return (z + gumbel_noise(keys, x.shape[1])).argmax(dim=-1)
+    score = z + gumbel_noise(keys, x.shape[1])
+    if floors is not None:
+        score = torch.where(z >= floors[:, None], score, float("-inf"))
+    return score.argmax(dim=-1)
 
 
 @triton.jit
@@ -49,7 +56,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride_l, rows_ptr, keys_ptr, temps_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride_l, rows_ptr, keys_ptr, temps_ptr, floors_ptr, out_ptr, V,
+                          HAS_FLOOR: tl.constexpr, BLOCK: tl.constexpr):
     s = tl.program_id(0)
     base = logits_ptr + tl.load(rows_ptr + s).to(tl.int64) * stride_l
     offs = tl.arange(0, BLOCK)
@@ -61,6 +69,9 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, rows_ptr, keys_ptr, temps_ptr, o
     t = tl.load(temps_ptr + s)
     k0 = tl.load(keys_ptr + 2 * s)
     k1 = tl.load(keys_ptr + 2 * s + 1)
+    floor = float("-inf")  # no floor: every column competes
+    if HAS_FLOOR:
+        floor = tl.load(floors_ptr + s)
     best = float("-inf")
     best_idx = 0
     for off in range(0, V, BLOCK):
@@ -71,7 +82,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride_l, rows_ptr, keys_ptr, temps_ptr, o
         h = _mix32(_mix32(cols.to(tl.int64) ^ k0) ^ k1)
         u = (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10  # 2^-32, exact
         g = (-tl.log(-tl.log(u))).to(tl.float32)
-        score = tl.where(mask, z + g, float("-inf"))
+        score = tl.where(mask & (z >= floor), z + g, float("-inf"))
         blk = tl.max(score, axis=0)
         idx = tl.min(tl.where(score == blk, cols, V), axis=0)  # first column holding the block max
         take = blk > best  # strictly: an earlier block keeps ties
@@ -86,8 +97,10 @@ def gumbel_argmax(
     keys: torch.Tensor,  # [S, 2] int64
     temperatures: torch.Tensor,  # [S] float32
     out: torch.Tensor | None = None,  # [S] int64
+    floors: torch.Tensor | None = None,  # [S] float32: only columns with z >= floor compete
 ) -> torch.Tensor:
-    """Triton version of gumbel_argmax_ref (same tokens); no host synchronisation."""
+    """Triton version of gumbel_argmax_ref (same tokens); no host synchronisation. A floor must keep
+    the row's top column (floor <= 0: z's maximum is 0)."""
     assert logits.dtype == torch.float32 and logits.stride(1) == 1
     keys = keys.contiguous()
     s = rows.numel()
@@ -95,7 +108,8 @@ def gumbel_argmax(
         out = torch.empty(s, dtype=torch.int64, device=logits.device)
     if s:
         _gumbel_argmax_kernel[(s,)](
-            logits, logits.stride(0), rows, keys, temperatures, out, logits.shape[1], BLOCK=1024, num_warps=8
+            logits, logits.stride(0), rows, keys, temperatures, temperatures if floors is None else floors, out,
+            logits.shape[1], HAS_FLOOR=floors is not None, BLOCK=1024, num_warps=8,
         )
     return out
 

@@ -513,7 +513,8 @@ class ModelRunner:
             rows = to_device(slots, torch.int64, self.device)
         # (rows is set above whenever keep_on_device; the test on it tells the type checker so)
         sink = (self.token_buf, rows) if keep_on_device and rows is not None else None
-        out = self.sampler(logits, info, token_sink=sink, token_mask=token_mask)
+        # the step's logits are read no more once sampled (prompt logprobs were taken before)
+        out = self.sampler(logits, info, token_sink=sink, token_mask=token_mask, inplace=True)
         if rows is not None:
             states.record(rows, out.next_token_ids, penalised)
         return out

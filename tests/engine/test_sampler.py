@@ -606,3 +606,25 @@ def test_token_sink_receives_every_row_token(greedy: bool) -> None:
     want = torch.full((9,), -1, dtype=torch.int64)
     want[rows] = out
     assert torch.equal(buf, want)
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_inplace_sampling_gives_the_same_tokens_and_spares_logprob_logits(with_logprobs: bool) -> None:
+    """inplace=True (the runner's logits, read no more) picks the same tokens and logprobs as a copy;
+    with logprobs wanted the logits stay as given (the logprobs are the raw logits')."""
+    gen = torch.Generator().manual_seed(4)
+    v, n = 600, 16
+    logits = torch.randn(n, v, generator=gen) * 3
+    params = [ROW_VARIANTS[i % len(ROW_VARIANTS)] for i in range(n)]
+    if with_logprobs:
+        params = [SP(**{**p.__dict__, "logprobs": True, "top_logprobs": 2}) for p in params]
+    outputs = [[i, i + 1, 3] for i in range(n)]
+    want = Sampler()(logits, build(params, None, None, outputs, v))
+    given = logits.clone()
+    got = Sampler()(given, build(params, None, None, outputs, v), inplace=True)
+    assert torch.equal(got.next_token_ids, want.next_token_ids)
+    if with_logprobs:
+        assert torch.equal(given, logits) and torch.equal(got.logprobs, want.logprobs)
+    else:
+        assert not torch.equal(given, logits)  # bias and penalties went into the caller's tensor
+

@@ -1,6 +1,7 @@
 """The sampler: one call per engine step on the logits of the rows that need a token.
 
-Processing, on a float32 copy of the logits (the input is never modified):
+Processing, on a float32 copy of the logits (the input is modified only where the caller allows it,
+`inplace`, and no logprobs are asked for):
 
 0. structured outputs: a grammar-constrained row's disallowed tokens are set to -inf (token_mask).
 1. logit bias; repetition penalty (prompt + output tokens); frequency / presence penalties
@@ -13,9 +14,11 @@ Processing, on a float32 copy of the logits (the input is never modified):
 4. Logprobs of the raw logits as given (logprobs.py).
 
 Fast paths: an all-greedy batch without bias or penalties is a bare argmax (on CUDA one Triton launch,
-mllmd_kernels.greedy_argmax, which also fills the engine's token buffer); on CUDA the unfiltered
-sampled rows go through one Triton kernel (mllmd_kernels.gumbel_argmax: the same tokens, without the
-[rows, V] noise and score tensors); penalty tensors exist
+mllmd_kernels.greedy_argmax, which also fills the engine's token buffer); on CUDA the sampled rows go
+through one Triton kernel (mllmd_kernels.gumbel_argmax: the same tokens, without the [rows, V] noise and
+score tensors), a filtered row with the smallest scaled logit its filters keep as its floor (the kept
+set is every token at or above it, filters.py); each group of rows is gathered from the logits once;
+penalty tensors exist
 only when some row uses them; noise is drawn only for sampled rows, and for filtered rows only for
 their candidates. On CPU the filters look at a top-256 prefix first (no full sort in the usual
 case); on other devices they sort, which needs no device-to-host sync.
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from mllmd_kernels import GreedyWorkspace, greedy_argmax, gumbel_argmax
 from mllmd_kernels._triton import use_triton
-from mllmd_kernels.gumbel import gumbel, gumbel_noise
+from mllmd_kernels.gumbel import add_gumbel_noise_, gumbel
 
 from mllmd.engine.sampling.filters import select_candidates
 from mllmd.engine.sampling.logprobs import compute_logprobs
@@ -68,6 +71,21 @@ def _take(x: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     return x if idx is None else x[idx]
 
 
+def _compose(outer: torch.Tensor | None, inner: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows outer[inner] (None: all rows, in order, at either level)."""
+    if inner is None:
+        return outer
+    return inner if outer is None else outer[inner]
+
+
+def _scaled(x: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor) -> torch.Tensor:
+    """(x[rows] - row max) / T as a new [R, V] float32 tensor (row max 0); x is not modified."""
+    z = x - x.max(dim=-1, keepdim=True).values if rows is None else x[rows]
+    if rows is not None:
+        z.sub_(z.max(dim=-1, keepdim=True).values)
+    return z.div_(temperatures[:, None])
+
+
 def _put(x: torch.Tensor, idx: torch.Tensor | None, val: torch.Tensor) -> torch.Tensor:
     """x[idx] = val (idx None: all rows); returns x, or val itself when it replaces all of x."""
     if idx is None:
@@ -89,13 +107,13 @@ def gumbel_max_candidates(
     return torch.where(scores == best, ids, big).min(dim=-1).values
 
 
-def process_logits(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """float32 logits [B, V] with bias and penalties applied (a copy when anything applies; the input
-    is never modified)."""
+def process_logits(logits: torch.Tensor, info: SamplingBatchInfo, inplace: bool = False) -> torch.Tensor:
+    """float32 logits [B, V] with bias and penalties applied (a copy when anything applies, unless
+    `inplace`: the input itself, when it is float32, is modified then)."""
     x = logits.float()
     if not info.needs_processing:
         return x  # only read from here on
-    if x is logits:
+    if x is logits and not inplace:
         x = x.clone()
     if info.bias_rows is not None:
         assert info.bias_cols is not None and info.bias_vals is not None
@@ -122,8 +140,12 @@ class Sampler:
         info: SamplingBatchInfo,
         token_sink: TokenSink | None = None,
         token_mask: TokenMask | None = None,
+        inplace: bool = False,
     ) -> SamplerOutput:
         """logits [B, V] of any float dtype -> SamplerOutput.
+
+        inplace: the caller reads the logits no more, so bias, penalties and a token mask may be applied
+        to them in place (not when logprobs are wanted: those are the raw logits').
 
         token_sink (buffer, rows): also write row i's token to buffer[rows[i]] (the engine's
         device-side token buffer); an all-greedy batch on CUDA does it in its argmax launch.
@@ -134,11 +156,13 @@ class Sampler:
                 f"logits must be [{info.batch_size}, {info.vocab_size}], got {tuple(logits.shape)}"
             )
         raw = logits
+        inplace = inplace and not info.want_logprobs
         if token_mask is not None:
             logits = logits.float()
-            if logits is raw:
+            if logits is raw and not inplace:
                 logits = logits.clone()
             apply_token_bitmask(logits, *token_mask)
+            inplace = True  # a copy of our own, or the caller's to modify
         if info.num_sampled == 0 and not info.needs_processing:
             if use_triton(logits) and logits.stride(1) == 1:  # one launch, the sink included
                 tokens = greedy_argmax(logits, self._greedy_workspace(logits), sink=token_sink)
@@ -146,12 +170,12 @@ class Sampler:
             else:
                 tokens = logits.max(dim=-1).indices  # [B] max() is faster than argmax on CPU, same first-index ties
         else:
-            x = process_logits(logits, info)  # [B, V] float32
+            x = process_logits(logits, info, inplace)  # [B, V] float32
             tokens = torch.empty(info.batch_size, dtype=torch.int64, device=logits.device)
             if info.num_greedy:
                 tokens = _put(tokens, info.greedy_idx, _take(x, info.greedy_idx).argmax(dim=-1))
             if info.num_sampled:
-                tokens = _put(tokens, info.sample_idx, self._sample(_take(x, info.sample_idx), info))
+                tokens = _put(tokens, info.sample_idx, self._sample(x, info))
         fill_token_sink(token_sink, tokens)
         if not info.want_logprobs:
             return SamplerOutput(tokens, None, None, None)
@@ -167,27 +191,31 @@ class Sampler:
         return ws
 
     def _sample(self, x: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """Gumbel-max over the sampled rows: x [S, V] float32 -> token ids [S]."""
+        """Gumbel-max over the sampled rows of x [B, V] float32 -> token ids [S] (in sample_idx order).
+
+        Each group (unfiltered, filtered) is gathered from x once; on CUDA both run in gumbel_argmax."""
         assert info.temperatures is not None and info.keys is not None
-        v = x.shape[1]
-        fused = use_triton(x) and x.stride(1) == 1  # CUDA: one kernel per unfiltered row, same tokens
-        z = None
-        if info.num_filtered or not fused:
-            z = (x - x.max(dim=-1, keepdim=True).values).div_(info.temperatures[:, None])  # [S, V], row max 0
-        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-        if info.num_filtered < x.shape[0]:
-            keys = _take(info.keys, info.plain_idx)
+        b, v = x.shape
+        fused = use_triton(x) and x.stride(1) == 1  # CUDA: one kernel a row, the same tokens
+        out = torch.empty(info.num_sampled, dtype=torch.int64, device=x.device)
+        if info.num_filtered < info.num_sampled:  # unfiltered rows: argmax(z + g) over every column
+            rows = _compose(info.sample_idx, info.plain_idx)
+            keys, temps = _take(info.keys, info.plain_idx), _take(info.temperatures, info.plain_idx)
             if fused:
-                rows = info.plain_idx if info.plain_idx is not None else torch.arange(x.shape[0], device=x.device)
-                tok = gumbel_argmax(x, rows, keys, _take(info.temperatures, info.plain_idx))
+                tok = gumbel_argmax(x, torch.arange(b, device=x.device) if rows is None else rows, keys, temps)
             else:
-                assert z is not None
-                tok = (_take(z, info.plain_idx) + gumbel_noise(keys, v)).argmax(dim=-1)
+                tok = add_gumbel_noise_(_scaled(x, rows, temps), keys).argmax(dim=-1)
             out = _put(out, info.plain_idx, tok)
         if info.num_filtered:
-            assert z is not None
-            zf = _take(z, info.filter_idx)  # [F, V]
-            keys = _take(info.keys, info.filter_idx)
+            rows = _compose(info.sample_idx, info.filter_idx)
+            keys, temps = _take(info.keys, info.filter_idx), _take(info.temperatures, info.filter_idx)
+            zf = _scaled(x, rows, temps)  # [F, V]
+            if fused:  # one full sort (no sync); the kept set is every token at or above its last one
+                (c,) = select_candidates(zf, info.top_k, info.top_p, info.min_p, None)
+                floors = c.vals.gather(1, (c.keep.sum(dim=-1) - 1)[:, None]).squeeze(1)  # [F]
+                rows_t = torch.arange(b, device=x.device) if rows is None else rows
+                out = _put(out, info.filter_idx, gumbel_argmax(x, rows_t, keys, temps, floors=floors))
+                return out
             width = self.prefix_width
             if width is None:
                 width = CPU_PREFIX_WIDTH if x.device.type == "cpu" else v
