@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--compare-eager", nargs="*", default=None, metavar="LABEL",
                     help="also time these models (none named: every model) with prefill CUDA graphs off "
                          "(label suffix -eager)")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                    help="the engine's prefill_graph_max_tokens for every model (default: the engine's own)")
     ap.add_argument("--run-name", default="ttft")
     ap.add_argument("--result-filename", default=None, help="append the JSON lines here")
     args = ap.parse_args(argv)
@@ -204,7 +206,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     rows = []
     for spec in args.model:
         label, path = parse_model(spec)
-        rows += bench_model(label, path, args, hw)
+        graphs = None if args.prefill_graph_max_tokens is None else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens}
+        rows += bench_model(label, path, args, hw, graphs)
         if args.compare_eager is not None and (not args.compare_eager or label in args.compare_eager):
             rows += bench_model(f"{label}-eager", path, args, hw, {"prefill_graph_max_tokens": 0})
     if args.result_filename:
