@@ -72,8 +72,10 @@ class ScriptedSampler:
         info: SamplingBatchInfo,
         token_sink: TokenSink | None = None,
         token_mask: Any = None,
+        inplace: bool = False,
     ) -> SamplerOutput:
-        """The scripted tokens (a grammar's token_mask does not apply: the script decides)."""
+        """The scripted tokens (a grammar's token_mask does not apply: the script decides; the logits are
+        only read, whatever `inplace` allows)."""
         ids = []
         for seed, pos in zip(info.seeds, info.positions):
             script = self._script_for(seed, pos)
