@@ -1,4 +1,5 @@
-"""w4a16_mma: the W4A16 decode GEMM (M <= 8) as a CUDA kernel on the tensor cores (`csrc/w4a16_mma.cu`).
+"""w4a16_mma: the W4A16 GEMM of decode batches and short prefills (M <= 32) as a CUDA kernel on the tensor
+cores (`csrc/w4a16_mma.cu`).
 
 The Triton one-row gemv (`w4a16_gemv`) spends float32 instructions on every weight; this kernel
 turns two weights into mma.sync operands with one LOP3. It reads the packed words in
@@ -8,7 +9,8 @@ slice of K 256 columns at a time in registers, loading the next stage while it m
 One bf16 row (batch-1 decode) multiplies the raw halves 128 + q + 8 and subtracts (136 + zero
 point) * sum(x) per group, with x in shared memory in B-fragment order: staged once per CTA where the
 launch fuses the norm, else streamed by each warp a stage at a time (its own stages only); fp16 and
-several rows subtract the offset from each weight pair (one packed FMA) instead. For one bf16 row the launch
+several rows subtract the offset from each weight pair (one packed FMA) instead, the pair dequantized
+once for up to 4 tiles of 8 rows (M <= 32). For one bf16 row the launch
 can also apply the RMSNorm before the layer and silu(gate) * up after a gate/up layer (`NormInput`,
 `silu=True`): the decode step then runs no rmsnorm or silu_and_mul kernel beside it.
 
@@ -39,8 +41,9 @@ from mllmd_kernels.rmsnorm import NormInput
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "w4a16_mma.cu"
-ABI_VERSION = 10  # mllmd_w4a16_mma_abi() of a library this module can call
-MAX_ROWS = 8  # x rows: the MMA's 8 B columns
+ABI_VERSION = 11  # mllmd_w4a16_mma_abi() of a library this module can call
+MAX_ROWS = 32  # x rows: up to 4 tiles of the MMA's 8 B columns, each weight pair dequantized once for all
+PROBE_MAX_ROWS = 8  # the bench probes run one column tile
 MAX_WARPS = 8  # kMaxWarps in the source
 STAGE_K = 256  # columns of a warp's loop stage (kStageCols): K must be a multiple
 # Warps a launch should give each SM at least (split-K until it does): enough loads in flight; and
@@ -138,13 +141,19 @@ def offset_form(m: int, dtype: torch.dtype) -> bool:
     return m == 1 and dtype == torch.bfloat16
 
 
+def column_tiles(m: int) -> int:
+    """Tiles of 8 x rows (the MMA's B columns) a launch of m rows runs: 1, 2 or 4."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4
+
+
 def smem_bytes(m: int, k: int, vec: int, warps: int, dtype: torch.dtype) -> int:
     """Shared memory a launch needs (mllmd_w4a16_mma_smem in the source): the warps' split-K partials
-    (16 x 8 floats each), and in the offset form x (K halves) with its float32 sum per chunk of 32 * vec
-    columns, or with vec 4 each warp's two 512-byte stage buffers (the streamed form) if that is more."""
+    (16 x 8 floats a column tile each), and in the offset form x (K halves) with its float32 sum per chunk
+    of 32 * vec columns, or with vec 4 each warp's two 512-byte stage buffers (the streamed form) if that
+    is more."""
     staged, streamed = 2 * k + (k // (32 * vec)) * 4, warps * 1024 if vec == 4 else 0
     x_bytes = max(staged, streamed) if offset_form(m, dtype) else 0
-    return warps * 16 * 8 * 4 + x_bytes
+    return warps * 16 * 8 * column_tiles(m) * 4 + x_bytes
 
 
 @functools.lru_cache(maxsize=1)
@@ -159,26 +168,31 @@ def tuned_configs() -> dict[tuple[int, int], MmaConfig]:
     return {tuple(int(v) for v in key.split(",")): MmaConfig(*fields[:2]) for key, fields in raw.items()}  # type: ignore[misc]
 
 
-def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False) -> MmaConfig:
+def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False, rows: int = 1) -> MmaConfig:
     """CTAs of MAX_WARPS warps; K split over the fewest warps (a power of two up to 8, each warp keeping
     two stages or more) that give every SM MIN_WARPS_PER_SM warps and no warp more than
     MAX_STAGES_PER_WARP stages. On the H200's Qwen3-8B shapes these are the bench_quant sweep's picks
     (qkv / o / down split 8, gate_up 2: NOTES.md). With silu a CTA holds its tiles in pairs (split at most
-    warps / 2)."""
-    tuned = tuned_configs().get((n, k))
+    warps / 2). Several column tiles (rows > 8: each warp has that many times the MMAs) want half the
+    warps an SM with no cap on a warp's stages, and CTAs of at least 4 warps holding one tile each (the
+    sweep's picks at 16 and 32 rows:
+    qkv split 4 on 4 warps, o and down 8 on 8, gate_up 1 on 4)."""
+    tuned = tuned_configs().get((n, k)) if rows <= PROBE_MAX_ROWS else None
     if tuned is not None and valid_config(tuned, k, group, silu):
         return tuned
     tiles, stages = n // 16, k // STAGE_K
+    multi = column_tiles(rows) > 1
+    min_warps = MIN_WARPS_PER_SM // 2 if multi else MIN_WARPS_PER_SM
     split = 1
     while (
         split < MAX_WARPS
         and stages >= 4 * split
-        and (tiles * split < MIN_WARPS_PER_SM * num_sms or stages > MAX_STAGES_PER_WARP * split)
+        and (tiles * split < min_warps * num_sms or (not multi and stages > MAX_STAGES_PER_WARP * split))
     ):
         split *= 2
     if silu:
         split = min(split, MAX_WARPS // 2)
-    return MmaConfig(split, MAX_WARPS)
+    return MmaConfig(split, max(4, split) if multi else MAX_WARPS)
 
 
 class _Library:
@@ -262,7 +276,7 @@ def _aligned(t: torch.Tensor, nbytes: int) -> bool:
 
 
 def w4a16_mma(
-    x: torch.Tensor,  # [M, K] bf16 / fp16, M <= 8, unit last stride
+    x: torch.Tensor,  # [M, K] bf16 / fp16, M <= 32, unit last stride
     w_packed: torch.Tensor,  # [N, K / 8] int32 in tile_order(w, mma_layout(K, group)[0]), contiguous
     w_scale: torch.Tensor,  # [N, G] float32 stored G-major: strides (1, N) (or [N, 1])
     w_zero_point: torch.Tensor | None = None,  # [N, G] int8, G-major like w_scale
@@ -323,14 +337,15 @@ def w4a16_mma(
     lib = _library_for(_arch(x.device))
     if lib is None:
         raise RuntimeError(f"w4a16_mma is unavailable: {unavailable_reason(x.device)}")
-    cfg = config or pick_config(n, k, group, sm_count_for(x), silu)
+    cfg = config or pick_config(n, k, group, sm_count_for(x), silu, m)
     if not valid_config(cfg, k, group, silu):
         raise ValueError(f"w4a16_mma: {cfg} does not fit K={k} group={group}" + (" with silu" if silu else ""))
     smem = smem_bytes(m, k, vec, cfg.warps, x.dtype)
     if smem > _smem_limit(x.device.index or 0):
         raise ValueError(f"w4a16_mma: {cfg} at K={k} needs {smem} bytes of shared memory a block, more than the GPU has")
-    if cfg.variant != EXACT and (x.dtype != torch.bfloat16 or layout[0] != 4 or w_zero_point is not None):
-        raise ValueError("w4a16_mma: the probes are built for bf16, groups of 128+ columns, symmetric only")
+    if cfg.variant != EXACT and (x.dtype != torch.bfloat16 or layout[0] != 4 or w_zero_point is not None
+                                 or m > PROBE_MAX_ROWS):  # fmt: skip
+        raise ValueError(f"w4a16_mma: the probes are built for bf16, groups of 128+ columns, symmetric, up to {PROBE_MAX_ROWS} rows")
     use_pdl = 1 if pdl_args(x).get("USE_PDL") else 0
     ptr = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     err = lib.launch(

@@ -11,7 +11,8 @@ reference (`w8a8_linear_ref`: exact integer sums; `w4a16_gemm_ref`: dequantize +
 Kernels: "w8a8" = per-token quantization + int8 GEMM (what a W8A8 layer runs), "int8_gemm" = the GEMM
 alone on int8 activations (compare with "int_mm"), "w4a16" (split-K reduced inside the launch with
 counters, as a W4A16 layer does; `us_reduce_launch`: the same with the separate reduce launch),
-"bf16", up to M = 8 "w4a16_mma" (the CUDA tensor-core kernel, where nvcc builds it), from M = 65
+"bf16", up to M = 32 "w4a16_mma" (the CUDA tensor-core kernel, where nvcc builds it) and from M = 2
+"w4a16_tile_order" (the Triton tiling on that kernel's word order, as a layer holds the words), from M = 65
 "w4a16_dequant_cublas", and at M = 1 on gate_up "int8_gemm_silu_mul" (the
 gemv with silu(gate) * up in its epilogue; `us_two_launches`: int8_gemm then silu_and_mul).
 `--sweep` also times a list of tilings per case (on sm90 the int8 list includes the TMA tilings of
@@ -144,14 +145,15 @@ def _w4a16_candidates(m: int, n: int, k: int) -> list[W4A16Config]:
         return out
     if m <= 64:
         bm = max(16, 1 << (m - 1).bit_length())
-        for bn, bk, warps, stages in [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3)]:
+        for bn, bk, warps, stages in [(64, 128, 4, 4), (32, 128, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3),
+                                 (128, 128, 8, 3), (256, 64, 8, 3)]:
             tiles = -(-n // bn)
             splits = {1} | {auto_split(tiles, k, bk, sms, c, 2) for c in (2, 4, 8, 16)}
             out += [W4A16Config("skinny", bm, bn, bk, 1, s, warps, stages) for s in sorted(splits)]
         return out
     return [W4A16Config("gemm", bm, bn, bk, 8, 1, w, st) for bm, bn, bk, w, st in [
         (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 3),
-        (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 128, 32, 4, 4)]]  # fmt: skip
+        (128, 64, 64, 4, 4), (64, 64, 128, 4, 4), (128, 128, 32, 4, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 5)]]  # fmt: skip
 
 
 def _sweep(kernel: str, name: str, m: int, default_us: float, default_cfg: Any, cands: list[Any],
@@ -252,16 +254,23 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         _w4a16_probes(name, n, k, xs, w4, s4, counters, sets, copy_gbps, w4_bytes)
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
-    if m <= mma.MAX_ROWS and DEVICE == "cuda" and mma.unavailable_reason(xs[0].device) is None:
-        # the CUDA tensor-core decode kernel (what CudaW4A16Kernel runs up to 8 rows), the same weights
-        # in its tile order
+    have_mma = DEVICE == "cuda" and mma.unavailable_reason(xs[0].device) is None
+    if have_mma and m > 1:  # the Triton tiling on the words in the CUDA kernel's tile order, as a layer has them
+        vec = mma.mma_layout(k, GROUP)[0]  # type: ignore[index]
+        w4t = [mma.tile_order(w, vec) for w in w4]
+        t = time_calls(lambda i: w4a16_gemm(xs[i], w4t[i % sets4], s4[i % sets4], splitk_counters=counters, mma_vec=vec),
+                       sets)  # fmt: skip
+        emit(_line("w4a16_tile_order", name, m, n, k, t, t16, n * k // 2 + n * (k // GROUP) * 4, copy_gbps))
+    if m <= mma.MAX_ROWS and have_mma:
+        # the CUDA tensor-core kernel (what CudaW4A16Kernel runs up to mma.MAX_ROWS rows), the same
+        # weights in its tile order
         vec = mma.mma_layout(k, GROUP)[0]  # type: ignore[index]
         w4t = [mma.tile_order(w, vec) for w in w4]
 
         def run_mma(i: int, c: mma.MmaConfig | None = None) -> torch.Tensor:
             return mma.w4a16_mma(xs[i], w4t[i % sets4], s4[i % sets4], config=c)
 
-        cfg_mma = mma.pick_config(n, k, GROUP, sms)
+        cfg_mma = mma.pick_config(n, k, GROUP, sms, rows=m)
         err = _rel(run_mma(0), ref4)
         t = time_calls(run_mma, sets)
         extra: dict[str, Any] = {}
@@ -269,7 +278,7 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
             cands = [mma.MmaConfig(sp, wa) for sp in (1, 2, 4, 8) for wa in (2, 4, 8)
                      if wa % sp == 0 and mma.valid_config(mma.MmaConfig(sp, wa), k, GROUP)]  # fmt: skip
             extra = _sweep("w4a16_mma", name, m, t, cfg_mma, cands, run_mma, sets, lambda out: _rel(out, ref4))
-            for v in mma.VARIANT_NAMES:  # the default split, parts left out
+            for v in (mma.VARIANT_NAMES if m <= mma.PROBE_MAX_ROWS else [mma.EXACT]):  # the default split, parts left out
                 c = mma.MmaConfig(cfg_mma.split, cfg_mma.warps, v)
                 tp = time_calls(lambda i, c=c: run_mma(i, c), sets)
                 emit(_line("w4a16_mma_probe", name, m, n, k, tp, None, w4_bytes, copy_gbps, variant=mma.VARIANT_NAMES[v],

@@ -1,4 +1,4 @@
-// w4a16_mma: y[M, N] = x[M, K] @ dequant(W)^T for M <= 8 (decode), compressed-tensors W4A16 weights
+// w4a16_mma: y[M, N] = x[M, K] @ dequant(W)^T for M <= 32 (decode, short prefills), compressed-tensors W4A16 weights
 // (re-laid at load, below), on the tensor cores (mma.sync m16n8k16, sm80+: Ampere, Jetson Orin sm87, Hopper).
 //
 // Weights: int32 [N, K / 8], eight 4-bit values per word along K (value i in bits [4i, 4i + 4)), each
@@ -45,7 +45,11 @@
 // accumulator (the reference rounds each dequantized weight to x's dtype first; here the weight is exact
 // and the product of sums is float32).
 //
-// x's rows are the B operand's 8 columns (M <= 8); with M = 1 every column holds x.
+// x's rows are the B operands' columns: NT = 1, 2 or 4 tiles of 8 (M <= 8, 16, 32), each weight pair
+// dequantized once for the NT MMAs of a step; with M = 1 every column holds x. Rows past M re-read row
+// M - 1 (never stored). Under the launch bounds' 128 registers (two CTAs of 8 warps an SM) the NT > 1
+// kernels spill a few words (4-28 bytes); without the bound NT = 4 takes 244 registers and one CTA an
+// SM. NT = 8 (64 rows) spilled more and is not built: 33+ rows run the Triton kernels.
 //
 // Fusions (one bf16 row: batch-1 decode; kernels of their own, so that the others keep their code and
 // registers): the RMSNorm before the layer (x + residual, its mean square reduced in the CTA, normed as
@@ -258,12 +262,13 @@ __device__ __forceinline__ void load_trip(Trip<VEC, HAS_ZP>& tr, int stage, cons
 }
 
 // The MMAs of one stage, into the group sums `sum` (and the accumulator at each group's end).
-template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool STREAM = false>
+template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, int NT, bool STREAM = false>
 __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st, int s1, int chunks_per_group_mask,
                                              const unsigned char* xs_st, const float* xsum, const float (&xsc)[2],
-                                             const uint16_t* x_row,
+                                             const uint16_t* x_t, int last_row, int stride_xm,
                                              const float* s_row, const int8_t* z_row, uint32_t N, int gshift, int t,
-                                             float (&sum)[4], float (&acc)[4], float& xs_acc, uint32_t& probe) {
+                                             float (&sum)[NT][4], float (&acc)[NT][4], float& xs_acc,
+                                             uint32_t& probe) {
   using T = Trip<VEC, HAS_ZP>;
   constexpr int U = Trip<VEC, HAS_ZP>::U;
   const uint32_t nb_sym = (Magic<BF16>::bias | (Magic<BF16>::bias << 16)) ^ 0x80008000u;
@@ -299,16 +304,22 @@ __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st
       const uint32_t lo = tr.lo[u * VEC + v], hi = tr.hi[u * VEC + v];
       if constexpr (SUMX) {
         const uint4 b = *reinterpret_cast<const uint4*>(xs_stage + (u * VEC + v) * 64);
-        mma16816<BF16>(sum, raw_pair<BF16>(lo), raw_pair<BF16>(hi), raw_pair<BF16>(lo >> 4), raw_pair<BF16>(hi >> 4),
-                       b.x, b.y);
-        mma16816<BF16>(sum, raw_pair<BF16>(lo >> 8), raw_pair<BF16>(hi >> 8), raw_pair<BF16>(lo >> 12),
+        mma16816<BF16>(sum[0], raw_pair<BF16>(lo), raw_pair<BF16>(hi), raw_pair<BF16>(lo >> 4),
+                       raw_pair<BF16>(hi >> 4), b.x, b.y);
+        mma16816<BF16>(sum[0], raw_pair<BF16>(lo >> 8), raw_pair<BF16>(hi >> 8), raw_pair<BF16>(lo >> 12),
                        raw_pair<BF16>(hi >> 12), b.z, b.w);
-      } else {
-        const uint4 b = fragment_order(load_x(x_row + c * 32 * VEC + 8 * v));  // lane t's 8 columns
-        mma16816<BF16>(sum, dequant_pair<BF16>(lo, nb_lo), dequant_pair<BF16>(hi, nb_hi),
-                       dequant_pair<BF16>(lo >> 4, nb_lo), dequant_pair<BF16>(hi >> 4, nb_hi), b.x, b.y);
-        mma16816<BF16>(sum, dequant_pair<BF16>(lo >> 8, nb_lo), dequant_pair<BF16>(hi >> 8, nb_hi),
-                       dequant_pair<BF16>(lo >> 12, nb_lo), dequant_pair<BF16>(hi >> 12, nb_hi), b.z, b.w);
+      } else {  // the A fragments once, for each of the NT column tiles (x rows 8j + r)
+        const uint32_t a0 = dequant_pair<BF16>(lo, nb_lo), a1 = dequant_pair<BF16>(hi, nb_hi);
+        const uint32_t a2 = dequant_pair<BF16>(lo >> 4, nb_lo), a3 = dequant_pair<BF16>(hi >> 4, nb_hi);
+        const uint32_t a4 = dequant_pair<BF16>(lo >> 8, nb_lo), a5 = dequant_pair<BF16>(hi >> 8, nb_hi);
+        const uint32_t a6 = dequant_pair<BF16>(lo >> 12, nb_lo), a7 = dequant_pair<BF16>(hi >> 12, nb_hi);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int row = min(8 * j + (threadIdx.x & 31) / 4, last_row);  // rows past M re-read the last
+          const uint4 b = fragment_order(load_x(x_t + row * stride_xm + c * 32 * VEC + 8 * v));  // lane t's 8 columns
+          mma16816<BF16>(sum[j], a0, a1, a2, a3, b.x, b.y);
+          mma16816<BF16>(sum[j], a4, a5, a6, a7, b.z, b.w);
+        }
       }
     }
     if constexpr (SUMX) xs_acc += STREAM ? xsc[u] : xsum[c];  // STREAM: VEC 4, U = 2
@@ -316,18 +327,22 @@ __device__ __forceinline__ void compute_trip(const Trip<VEC, HAS_ZP>& tr, int st
       if constexpr (SUMX) {  // sum - (136 + zero point) * sum(x): the raw halves' offset
         const float off_lo = 136.0f + static_cast<float>(zp_lo);
         const float off_hi = 136.0f + static_cast<float>(zp_hi);
-        acc[0] = fmaf(fmaf(-off_lo, xs_acc, sum[0]), s_lo, acc[0]);
-        acc[1] = fmaf(fmaf(-off_lo, xs_acc, sum[1]), s_lo, acc[1]);
-        acc[2] = fmaf(fmaf(-off_hi, xs_acc, sum[2]), s_hi, acc[2]);
-        acc[3] = fmaf(fmaf(-off_hi, xs_acc, sum[3]), s_hi, acc[3]);
+        acc[0][0] = fmaf(fmaf(-off_lo, xs_acc, sum[0][0]), s_lo, acc[0][0]);
+        acc[0][1] = fmaf(fmaf(-off_lo, xs_acc, sum[0][1]), s_lo, acc[0][1]);
+        acc[0][2] = fmaf(fmaf(-off_hi, xs_acc, sum[0][2]), s_hi, acc[0][2]);
+        acc[0][3] = fmaf(fmaf(-off_hi, xs_acc, sum[0][3]), s_hi, acc[0][3]);
         xs_acc = 0.f;
       } else {
-        acc[0] = fmaf(sum[0], s_lo, acc[0]);
-        acc[1] = fmaf(sum[1], s_lo, acc[1]);
-        acc[2] = fmaf(sum[2], s_hi, acc[2]);
-        acc[3] = fmaf(sum[3], s_hi, acc[3]);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          acc[j][0] = fmaf(sum[j][0], s_lo, acc[j][0]);
+          acc[j][1] = fmaf(sum[j][1], s_lo, acc[j][1]);
+          acc[j][2] = fmaf(sum[j][2], s_hi, acc[j][2]);
+          acc[j][3] = fmaf(sum[j][3], s_hi, acc[j][3]);
+        }
       }
-      sum[0] = sum[1] = sum[2] = sum[3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) sum[j][0] = sum[j][1] = sum[j][2] = sum[j][3] = 0.f;
     }
   }
 }
@@ -425,15 +440,16 @@ struct Fuse {
   int silu;
 };
 
-template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE>
+template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE, int NT>
 __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
     const uint16_t* __restrict__ x, const uint32_t* __restrict__ w, const float* __restrict__ scale,
     const int8_t* __restrict__ zero_point, const uint16_t* __restrict__ bias, uint16_t* __restrict__ y, int M,
     int N, int K, int stride_wn, int stride_xm, int stride_ym, int gshift, int split, Fuse fuse) {
   static_assert(!FUSE || (SUMX && BF16), "the fusions are built for one bf16 row (the offset form)");
+  static_assert(!SUMX || NT == 1, "the offset form is one row");
   extern __shared__ __align__(16) unsigned char smem[];
-  // [split-K partials: warps x 16 x 8 floats][SUMX: x (K halves), its sums a chunk]
-  float(*partial)[16][8] = reinterpret_cast<float(*)[16][8]>(smem);
+  // [split-K partials: warps x 16 x 8 * NT floats][SUMX: x (K halves), its sums a chunk]
+  float(*partial)[16][8 * NT] = reinterpret_cast<float(*)[16][8 * NT]>(smem);
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int r = lane >> 2, t = lane & 3;
@@ -456,7 +472,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
   const uint32_t* w_hi = w_lo + 32 * VEC;
   const float* s_lo = scale + n_first + r;
   const int8_t* z_lo = HAS_ZP ? zero_point + n_first + r : nullptr;
-  unsigned char* xs = smem + warps * 16 * 8 * sizeof(float);  // SUMX: x (streamed: the warps' stage buffers)
+  unsigned char* xs = smem + warps * 16 * 8 * NT * sizeof(float);  // SUMX: x (streamed: the warps' stage buffers)
   float* xsum = reinterpret_cast<float*>(xs + K * 2);  // SUMX: x's sum over each chunk
   // The streamed form: one bf16 row without a fused norm (which needs the whole row first), 16-byte
   // vectors (two chunks a stage, each a half-warp's 16 vectors).
@@ -518,9 +534,11 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
     __syncthreads();
   }
 
-  const uint16_t* x_row = x + static_cast<size_t>(min(r, M - 1)) * stride_xm + t * 8 * VEC;  // !SUMX
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  float sum[4] = {0.f, 0.f, 0.f, 0.f};  // the current group's MMA sums
+  // !SUMX: x row 8j + r of column tile j (rows past M re-read row M - 1, never stored)
+  const uint16_t* x_t = x + t * 8 * VEC;
+  float acc[NT][4], sum[NT][4];  // sum: the current group's MMA sums
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = sum[j][0] = sum[j][1] = sum[j][2] = sum[j][3] = 0.f;
   float xs_acc = 0.f;  // SUMX: x's sum over the columns in `sum`
   uint32_t probe = 0;  // kProbeLoad
   uint4 xv;  // kStream: the lane's vector of the next stage's x
@@ -532,27 +550,32 @@ __global__ void __launch_bounds__(kMaxWarps * 32, 2) w4a16_mma_kernel(
     if (st + 1 < s1)
       load_trip<VEC, HAS_ZP, VARIANT>(tb, st + 1, w_lo + kStageWords, w_hi + kStageWords, s_lo, z_lo, N, gshift);
     if constexpr (kStream) stream_x(xv, xsc, xbuf, x, st, s1, lane);
-    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT, kStream>(ta, st, s1, chunks_per_group_mask,
-                                                           kStream ? xbuf : xs + st * 512, xsum, xsc, x_row, s_lo,
-                                                           z_lo, N, gshift, t, sum, acc, xs_acc, probe);
+    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT, NT, kStream>(ta, st, s1, chunks_per_group_mask,
+                                                               kStream ? xbuf : xs + st * 512, xsum, xsc, x_t, M - 1, stride_xm,
+                                                               s_lo, z_lo, N, gshift, t, sum, acc, xs_acc, probe);
     if (st + 1 >= s1) break;
     if (st + 2 < s1)
       load_trip<VEC, HAS_ZP, VARIANT>(ta, st + 2, w_lo + 2 * kStageWords, w_hi + 2 * kStageWords, s_lo, z_lo, N,
                                       gshift);
     if constexpr (kStream) stream_x(xv, xsc, xbuf + 512, x, st + 1, s1, lane);
-    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT, kStream>(tb, st + 1, s1, chunks_per_group_mask,
-                                                           kStream ? xbuf + 512 : xs + (st + 1) * 512, xsum, xsc,
-                                                           x_row, s_lo, z_lo, N, gshift, t, sum, acc, xs_acc, probe);
+    compute_trip<BF16, VEC, HAS_ZP, SUMX, VARIANT, NT, kStream>(tb, st + 1, s1, chunks_per_group_mask,
+                                                               kStream ? xbuf + 512 : xs + (st + 1) * 512, xsum, xsc,
+                                                               x_t, M - 1, stride_xm, s_lo, z_lo, N, gshift, t, sum, acc, xs_acc,
+                                                               probe);
     w_lo += 2 * kStageWords;
     w_hi += 2 * kStageWords;
   }
 
-  if constexpr (VARIANT == kProbeLoad) acc[0] = static_cast<float>(probe & 1u);
-  // acc: rows r and r + 8 (weight rows n0 + r, n0 + r + 8) of columns 2t and 2t + 1 (x rows)
-  partial[warp][r][2 * t] = acc[0];
-  partial[warp][r][2 * t + 1] = acc[1];
-  partial[warp][r + 8][2 * t] = acc[2];
-  partial[warp][r + 8][2 * t + 1] = acc[3];
+  if constexpr (VARIANT == kProbeLoad) acc[0][0] = static_cast<float>(probe & 1u);
+  // acc[j]: rows r and r + 8 (weight rows n0 + r, n0 + r + 8) of columns 2t and 2t + 1 of tile j (x rows
+  // 8j + 2t, 8j + 2t + 1)
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    partial[warp][r][8 * j + 2 * t] = acc[j][0];
+    partial[warp][r][8 * j + 2 * t + 1] = acc[j][1];
+    partial[warp][r + 8][8 * j + 2 * t] = acc[j][2];
+    partial[warp][r + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
   __syncthreads();
   if constexpr (FUSE) {
     if (fuse.silu) {  // y [1, N / 2]: silu(gate) * up
@@ -597,19 +620,19 @@ struct Args {
 // Shared memory a launch needs (bytes): the warps' split-K partials, and (SUMX) x with its chunk sums,
 // or (the streamed form, VEC 4) each warp's two 512-byte stage buffers, whichever is larger.
 template <int VEC, bool SUMX>
-int smem_bytes(int warps, int K) {
+int smem_bytes(int warps, int K, int nt) {
   const int staged = K * 2 + (K / (32 * VEC)) * 4, streamed = VEC == 4 ? warps * 1024 : 0;
-  return warps * 16 * 8 * 4 + (SUMX ? (staged > streamed ? staged : streamed) : 0);
+  return warps * 16 * 8 * nt * 4 + (SUMX ? (staged > streamed ? staged : streamed) : 0);
 }
 
-template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE = false>
+template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE = false, int NT = 1>
 cudaError_t launch_kernel(const Args& a) {
-  auto kernel = w4a16_mma_kernel<BF16, VEC, HAS_ZP, SUMX, VARIANT, FUSE>;
+  auto kernel = w4a16_mma_kernel<BF16, VEC, HAS_ZP, SUMX, VARIANT, FUSE, NT>;
   const int tiles_per_cta = a.warps / a.split;
   // silu: a CTA holds tiles_per_cta / 2 pairs (a gate tile and its up tile)
   const int units = a.fuse.silu ? a.N / 32 : a.N / 16, per_cta = a.fuse.silu ? tiles_per_cta / 2 : tiles_per_cta;
   const dim3 grid((units + per_cta - 1) / per_cta), block(32 * a.warps);
-  const int smem = smem_bytes<VEC, SUMX>(a.warps, a.K);
+  const int smem = smem_bytes<VEC, SUMX>(a.warps, a.K, NT);
   static int smem_allowed[kMaxDevices];  // per instantiation and device: raised to what a launch needs
   if (smem > 48 * 1024) {  // above the default: the attribute is set once per device and size
     int device = 0;
@@ -656,8 +679,15 @@ cudaError_t launch(const Args& a) {
       if (a.fuse.norm_weight != nullptr || a.fuse.silu) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, true>(a);
     }
     if (a.fuse.norm_weight != nullptr || a.fuse.silu) return cudaErrorInvalidValue;
-    return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact>(a);
+    if constexpr (SUMX) {
+      return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact>(a);
+    } else {  // x's rows as NT tiles of 8 B columns
+      if (a.M <= 8) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 1>(a);
+      if (a.M <= 16) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 2>(a);
+      return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 4>(a);
+    }
   }
+  if (a.M > 8) return cudaErrorInvalidValue;  // the probes: one column tile
   if constexpr (BF16 && VEC == 4 && !HAS_ZP) {  // the probes: bf16, 16-byte vectors, symmetric
     if (a.variant == kProbeLoad) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeLoad>(a);
     if (a.variant == kProbeCompute) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kProbeCompute>(a);
@@ -680,9 +710,12 @@ cudaError_t launch_vec(int vec, const Args& a) {
   }
 }
 
+// Column tiles of 8 x rows a launch of M rows runs (the offset form: one).
+int column_tiles(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : 4; }
+
 template <int VEC>
-int smem_for_vec(int warps, int K, bool sumx) {
-  return sumx ? smem_bytes<VEC, true>(warps, K) : smem_bytes<VEC, false>(warps, K);
+int smem_for_vec(int warps, int K, bool sumx, int M) {
+  return sumx ? smem_bytes<VEC, true>(warps, K, 1) : smem_bytes<VEC, false>(warps, K, column_tiles(M));
 }
 
 }  // namespace
@@ -690,24 +723,24 @@ int smem_for_vec(int warps, int K, bool sumx) {
 extern "C" {
 
 // Version of this entry point's arguments; the Python side refuses a library that disagrees.
-int mllmd_w4a16_mma_abi() { return 10; }
+int mllmd_w4a16_mma_abi() { return 11; }
 
 // Shared memory (bytes) a launch of `warps` warps needs: the Python side checks it against the device.
 int mllmd_w4a16_mma_smem(int M, int K, int vec, int warps, int bf16) {
   const bool sumx = M == 1 && bf16;
   switch (vec) {
     case 4:
-      return smem_for_vec<4>(warps, K, sumx);
+      return smem_for_vec<4>(warps, K, sumx, M);
     case 2:
-      return smem_for_vec<2>(warps, K, sumx);
+      return smem_for_vec<2>(warps, K, sumx, M);
     case 1:
-      return smem_for_vec<1>(warps, K, sumx);
+      return smem_for_vec<1>(warps, K, sumx, M);
     default:
       return -1;
   }
 }
 
-// Returns a cudaError_t (0: launched). The caller checks shapes (w4a16_mma.supports): M in [1, 8],
+// Returns a cudaError_t (0: launched). The caller checks shapes (w4a16_mma.supports): M in [1, 32],
 // N % 16 == 0, K % 256 == 0; `vec` 4 / 2 / 1 for groups of >= 128 / 64 / 32 columns (or channel-wise:
 // 4); 2**gshift chunks of 32 * vec columns per group (channel-wise: 30); `split` warps share a 16-row
 // tile's K, and a CTA of `warps` warps holds warps / split tiles; `variant`: kExact, or a bench probe.
@@ -719,7 +752,7 @@ int mllmd_w4a16_mma(const void* x, const void* w, const void* scale, const void*
                     void* y, int M, int N, int K, int stride_wn, int stride_xm, int stride_ym, int vec, int gshift,
                     int split, int warps, int variant, int bf16, int use_pdl, const void* residual,
                     const void* norm_weight, void* residual_out, float eps, int silu, void* stream) {
-  if (M < 1 || M > 8 || N % 16 || K % kStageCols || warps < 1 || warps > kMaxWarps || split < 1 || warps % split)
+  if (M < 1 || M > 32 || N % 16 || K % kStageCols || warps < 1 || warps > kMaxWarps || split < 1 || warps % split)
     return cudaErrorInvalidValue;
   if ((norm_weight != nullptr || silu) && !(M == 1 && bf16)) return cudaErrorInvalidValue;
   if (norm_weight != nullptr && residual != nullptr && residual_out == nullptr) return cudaErrorInvalidValue;

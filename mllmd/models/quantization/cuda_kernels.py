@@ -1,4 +1,4 @@
-"""CudaW4A16Kernel: TritonW4A16Kernel with decode batches (up to 8 rows) on the CUDA tensor-core kernel
+"""CudaW4A16Kernel: TritonW4A16Kernel with up to 32 rows (decode batches, short prefills) on the CUDA tensor-core kernel
 `mllmd_kernels.w4a16_mma`, where it builds (nvcc found, sm80+, MLLMD_CUDA_KERNELS not 0).
 
 The layer's tensors are the Triton kernel's (float32 scales and zero points G-major), with the packed
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class CudaW4A16Kernel(TritonW4A16Kernel):
-    """W4A16 on CUDA: up to 8 rows on the mma.sync kernel (w4a16_mma), the rest as TritonW4A16Kernel."""
+    """W4A16 on CUDA: up to 32 rows on the mma.sync kernel (w4a16_mma), the rest as TritonW4A16Kernel."""
 
     @classmethod
     def can_implement(cls, scheme: LinearScheme, device: torch.device) -> str | None:
