@@ -94,7 +94,7 @@ class EngineConfig:
         "(bigger ones run eagerly)",
     )
     prefill_graph_max_tokens: int = _f(
-        "runtime", 512,
+        "runtime", 2048,
         "largest prefill or mixed (prefill + decode) step, in tokens, run as a CUDA graph, padded up to the "
         "next of 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, ... (on the triton attention backend; "
         "steps with image tokens, a prompt's 3-axis M-RoPE positions or prompt logprobs run eagerly); 0: all "
