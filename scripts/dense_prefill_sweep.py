@@ -1,6 +1,7 @@
 """Fresh-prompt attention: the paged extend kernel against gather + SDPA (the Triton backend's dense
-route), by prompt length and head shape, one JSON line per case (us per layer, median of 20 after a
-warm-up). Sets DENSE_PREFILL_MIN_TOKENS in mllmd/engine/attention/triton_backend.py.
+route), by prompt length and head shape, one JSON line per case (us per layer: eager launches timed by
+`mllmd_kernels.bench.common.time_calls`, median of 20). Sets `dense_pays` in
+mllmd/engine/attention/triton_backend.py.
 
     python scripts/dense_prefill_sweep.py [--lens 256 512 1024 2048 4096]
 """
@@ -9,29 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-from collections.abc import Callable
 
 import torch
 from mllmd_kernels import extend_attention
+from mllmd_kernels.bench.common import time_calls
 
 from mllmd.engine.attention.triton_backend import dense_causal_attention
 
 SHAPES = {"qwen3-8b": (32, 8, 128), "qwen3-vl-2b": (16, 8, 128), "qwen3.5-9b": (16, 4, 256)}
-
-
-def timed(fn: Callable[[], torch.Tensor], reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
 
 
 def case(name: str, hq: int, hkv: int, d: int, n: int) -> dict[str, object]:
@@ -50,7 +36,8 @@ def case(name: str, hq: int, hkv: int, d: int, n: int) -> dict[str, object]:
     def dense() -> torch.Tensor:
         return dense_causal_attention(q, k_buf, v_buf, slots, [(0, n)], scale)
 
-    paged_us, dense_us = timed(paged), timed(dense)
+    # eager launches: the dense route's gather and SDPA run eagerly in the engine too
+    paged_us, dense_us = (time_calls(lambda i, f=f: f(), 1, use_graph=False, reps=20) for f in (paged, dense))
     a, b = paged().float(), dense().float()
     flops = 4 * hq * d * n * (n + 1) // 2
     return {"case": "dense_prefill", "shape": name, "tokens": n, "paged_us": round(paged_us, 1),
