@@ -452,7 +452,10 @@ class ModelRunner:
             axes = mrope_step_positions(sched.reqs, sched.prefix_lens, sched.extend_lens)
             images = self.vision.step_embeds(sched.reqs, sched.prefix_lens, sched.extend_lens)
         pg = self.prefill_graphs
-        if pg is not None and not prompt_spans and axes is None and images is None:
+        shape = self.model.attention_shape
+        if (pg is not None and not prompt_spans and axes is None and images is None
+                and not self.attn_backend.prefers_eager(list(sched.prefix_lens), list(sched.extend_lens),
+                                                        shape.num_heads, shape.head_dim)):  # fmt: skip
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
             states = [r.state_slot or 0 for r in sched.reqs] if self.state_pool is not None else None

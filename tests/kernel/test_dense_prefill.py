@@ -45,6 +45,24 @@ def test_dense_route_follows_the_h200_sweep() -> None:
     assert not tb.dense_pays(512, 64, 128)
 
 
+def test_only_head_dim_256_prompts_leave_the_prefill_graph_for_the_dense_route() -> None:
+    """prefers_eager: fresh bf16 prompts where SDPA pays at head_dim 256 run eagerly (the dense route);
+    at head_dim 128 the graph stays (its gain beats SDPA's); a prefix hit, a short row or float32 never."""
+
+    class _Pool:
+        def __init__(self, dtype: torch.dtype) -> None:
+            self.k_buffer = [torch.zeros(1, 1, 1, dtype=dtype)]
+
+    backend = tb.TritonAttentionBackend(_Pool(torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64))  # type: ignore[arg-type]
+    assert backend.prefers_eager([0], [1024], 16, 256) and backend.prefers_eager([0, 0], [2048, 1500], 16, 256)
+    assert not backend.prefers_eager([0, 0], [2048, 1000], 16, 256)  # the shortest row decides
+    assert not backend.prefers_eager([0, 64], [2048, 2048], 16, 256)  # a prefix hit
+    assert not backend.prefers_eager([0], [2048], 32, 128)  # 8B: SDPA pays, but less than the graph
+    assert not backend.prefers_eager([], [], 16, 256)
+    fp32 = tb.TritonAttentionBackend(_Pool(torch.float32), torch.zeros(1, 1, dtype=torch.int64))  # type: ignore[arg-type]
+    assert not fp32.prefers_eager([0], [2048], 16, 256)
+
+
 @pytest.mark.skipif(not HAS_TRITON or not (GPU or interpreting()), reason="needs CUDA or the Triton interpreter")
 def test_engine_tokens_equal_the_extend_kernel(qwen3_tied: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fresh prompts (no prefix) of 9+ tokens take the SDPA route when the threshold allows it; prefix

@@ -49,6 +49,11 @@ class AttentionBackend(ABC):
         and with `out_absmax` float32 partials whose max is max|out| where the backend's kernel writes
         them, else None)."""
 
+    def prefers_eager(self, prefix_lens: list[int], extend_lens: list[int], q_heads: int, head_dim: int) -> bool:
+        """A prefill step of these rows runs faster eagerly than as a padded prefill graph (a route the
+        backend takes only outside graphs); False by default."""
+        return False
+
     def prepare_replay(self, step: PagedAttentionStep) -> None:  # noqa: B027 (optional hook)
         """Refresh device-side metadata before a CUDA graph of `step` replays (nothing by default)."""
 

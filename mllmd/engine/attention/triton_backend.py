@@ -103,6 +103,15 @@ class TritonAttentionBackend(AttentionBackend):
     # a row's extend length exit, a row of length 0 computes nothing
     supports_prefill_graph = True
 
+    def prefers_eager(self, prefix_lens: list[int], extend_lens: list[int], q_heads: int, head_dim: int) -> bool:
+        """Fresh prompts for which the dense SDPA route (eager steps only) saves more than a graph would:
+        at head_dim 256 (Qwen3.5), where the sweep measured SDPA at 1.4-2.4x the paged kernel from 1,024
+        tokens (2,048: 149 against 355 us a layer). At head_dim 128 SDPA saves at most 10% of attention
+        (8B, 2,048 tokens: 138 against 154 us) and the graph wins (W8A8 8B 2,048 tokens: 34.8 ms in a
+        graph, 47.0 eager), so those steps keep the graph."""
+        return (head_dim > 128 and self.kv_pool.k_buffer[0].dtype in DENSE_PREFILL_DTYPES and bool(extend_lens)
+                and not any(prefix_lens) and dense_pays(min(extend_lens), q_heads, head_dim))  # fmt: skip
+
     def metadata(self, batch: ForwardBatch) -> _DecodeMeta | _ExtendMeta:
         if batch.is_decode:
             kv_heads = self.kv_pool.k_buffer[0].shape[1]
