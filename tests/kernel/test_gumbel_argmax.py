@@ -58,10 +58,12 @@ def test_gumbel_argmax_with_floors_samples_only_the_candidates(rows: int, vocab:
         assert int(out[2]) == int(gumbel_argmax(logits, which[2:3], keys[2:3], t[2:3])[0])
 
 
-def test_the_samplers_fused_path_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("width", [8, 3000])
+def test_the_samplers_fused_path_equals_its_torch_path(monkeypatch: pytest.MonkeyPatch, width: int) -> None:
     """The CUDA sampler's one-kernel path (gumbel_argmax; a filtered row with its floor) picks the torch
     path's tokens for rows of every kind: plain, top-p, top-k, min-p, all three with penalties, bias,
-    greedy; a tie at the top of a row."""
+    greedy; a tie at the top of a row. The floors come from a full sort (width = V) or from sorted
+    prefixes widened row by row (8)."""
     variants = [SP(temperature=1.0), SP(temperature=0.7, top_p=0.9), SP(temperature=1.3, top_k=20),
                 SP(temperature=0.9, min_p=0.05), SP(temperature=1.0, top_k=50, top_p=0.8, min_p=0.01, repetition_penalty=1.3),
                 SP(temperature=0.8, frequency_penalty=0.7, presence_penalty=0.3, logit_bias={3: 2.0}),
@@ -74,5 +76,6 @@ def test_the_samplers_fused_path_equals_its_torch_path(monkeypatch: pytest.Monke
     args = (params, list(range(n)), [[1, 2]] * n, [[i, i + 1] for i in range(n)], v)
     want = Sampler(prefix_width=v)(logits, SamplingBatchInfo.build(*args, "cpu")).next_token_ids
     monkeypatch.setattr(sampler_module, "use_triton", lambda x: True)  # the CUDA path, on DEVICE
-    got = Sampler()(logits.to(DEVICE), SamplingBatchInfo.build(*args, DEVICE), inplace=True).next_token_ids
+    got = Sampler(prefix_width=width)(logits.to(DEVICE), SamplingBatchInfo.build(*args, DEVICE), inplace=True)
+    got = got.next_token_ids
     assert torch.equal(got.cpu(), want)

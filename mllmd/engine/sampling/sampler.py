@@ -80,8 +80,10 @@ def _compose(outer: torch.Tensor | None, inner: torch.Tensor | None) -> torch.Te
 
 def _scaled(x: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor) -> torch.Tensor:
     """(x[rows] - row max) / T as a new [R, V] float32 tensor (row max 0); x is not modified."""
-    z = x - x.max(dim=-1, keepdim=True).values if rows is None else x[rows]
-    if rows is not None:
+    if rows is None:
+        z = x - x.max(dim=-1, keepdim=True).values
+    else:
+        z = x[rows]  # a copy of its own
         z.sub_(z.max(dim=-1, keepdim=True).values)
     return z.div_(temperatures[:, None])
 
@@ -210,18 +212,18 @@ class Sampler:
             rows = _compose(info.sample_idx, info.filter_idx)
             keys, temps = _take(info.keys, info.filter_idx), _take(info.temperatures, info.filter_idx)
             zf = _scaled(x, rows, temps)  # [F, V]
-            if fused:  # one full sort (no sync); the kept set is every token at or above its last one
-                (c,) = select_candidates(zf, info.top_k, info.top_p, info.min_p, None)
-                floors = c.vals.gather(1, (c.keep.sum(dim=-1) - 1)[:, None]).squeeze(1)  # [F]
-                rows_t = torch.arange(b, device=x.device) if rows is None else rows
-                out = _put(out, info.filter_idx, gumbel_argmax(x, rows_t, keys, temps, floors=floors))
-                return out
             width = self.prefix_width
             if width is None:
-                width = CPU_PREFIX_WIDTH if x.device.type == "cpu" else v
+                width = CPU_PREFIX_WIDTH if x.device.type == "cpu" else v  # elsewhere a full sort: no sync
             picked = torch.empty(zf.shape[0], dtype=torch.int64, device=x.device)
+            floors = torch.empty(zf.shape[0], dtype=torch.float32, device=x.device) if fused else None
             for c in select_candidates(zf, info.top_k, info.top_p, info.min_p, width):
-                tok = gumbel_max_candidates(c.vals, c.ids, c.keep, _take(keys, c.rows))
-                picked = _put(picked, c.rows, tok)
+                if floors is not None:  # the kept set is every token at or above its last one
+                    floors = _put(floors, c.rows, c.vals.gather(1, (c.keep.sum(dim=-1) - 1)[:, None]).squeeze(1))
+                else:
+                    picked = _put(picked, c.rows, gumbel_max_candidates(c.vals, c.ids, c.keep, _take(keys, c.rows)))
+            if floors is not None:
+                picked = gumbel_argmax(x, torch.arange(b, device=x.device) if rows is None else rows, keys, temps,
+                                       floors=floors)  # fmt: skip
             out = _put(out, info.filter_idx, picked)
         return out
