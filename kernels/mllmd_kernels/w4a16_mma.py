@@ -176,7 +176,8 @@ def pick_config(n: int, k: int, group: int, num_sms: int, silu: bool = False, ro
     warps / 2). Several column tiles (rows > 8: each warp has that many times the MMAs) want half the
     warps an SM with no cap on a warp's stages, and CTAs of at least 4 warps holding one tile each (the
     sweep's picks at 16 and 32 rows:
-    qkv split 4 on 4 warps, o and down 8 on 8, gate_up 1 on 4)."""
+    qkv split 4 on 4 warps, o and down 8 on 8, gate_up 1 on 4). $MLLMD_W4A16_MMA_TUNED's launches, swept
+    at one row, apply up to PROBE_MAX_ROWS rows."""
     tuned = tuned_configs().get((n, k)) if rows <= PROBE_MAX_ROWS else None
     if tuned is not None and valid_config(tuned, k, group, silu):
         return tuned

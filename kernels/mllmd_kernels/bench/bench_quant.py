@@ -255,17 +255,14 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
     emit(_line("w4a16", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP, config=cfg4.__dict__,
                **extra))  # fmt: skip
     have_mma = DEVICE == "cuda" and mma.unavailable_reason(xs[0].device) is None
-    if have_mma and m > 1:  # the Triton tiling on the words in the CUDA kernel's tile order, as a layer has them
+    if have_mma:  # the weights in the CUDA kernel's tile order, as a layer holds them
         vec = mma.mma_layout(k, GROUP)[0]  # type: ignore[index]
         w4t = [mma.tile_order(w, vec) for w in w4]
+    if have_mma and m > 1:  # the Triton tiling on those words
         t = time_calls(lambda i: w4a16_gemm(xs[i], w4t[i % sets4], s4[i % sets4], splitk_counters=counters, mma_vec=vec),
                        sets)  # fmt: skip
         emit(_line("w4a16_tile_order", name, m, n, k, t, t16, n * k // 2 + n * (k // GROUP) * 4, copy_gbps))
-    if m <= mma.MAX_ROWS and have_mma:
-        # the CUDA tensor-core kernel (what CudaW4A16Kernel runs up to mma.MAX_ROWS rows), the same
-        # weights in its tile order
-        vec = mma.mma_layout(k, GROUP)[0]  # type: ignore[index]
-        w4t = [mma.tile_order(w, vec) for w in w4]
+    if m <= mma.MAX_ROWS and have_mma:  # the CUDA tensor-core kernel (what CudaW4A16Kernel runs up to mma.MAX_ROWS rows)
 
         def run_mma(i: int, c: mma.MmaConfig | None = None) -> torch.Tensor:
             return mma.w4a16_mma(xs[i], w4t[i % sets4], s4[i % sets4], config=c)

@@ -625,6 +625,9 @@ int smem_bytes(int warps, int K, int nt) {
   return warps * 16 * 8 * nt * 4 + (SUMX ? (staged > streamed ? staged : streamed) : 0);
 }
 
+// Column tiles of 8 x rows a launch of M rows runs (the offset form: one); w4a16_mma.column_tiles.
+int column_tiles(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : 4; }
+
 template <bool BF16, int VEC, bool HAS_ZP, bool SUMX, int VARIANT, bool FUSE = false, int NT = 1>
 cudaError_t launch_kernel(const Args& a) {
   auto kernel = w4a16_mma_kernel<BF16, VEC, HAS_ZP, SUMX, VARIANT, FUSE, NT>;
@@ -682,9 +685,14 @@ cudaError_t launch(const Args& a) {
     if constexpr (SUMX) {
       return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact>(a);
     } else {  // x's rows as NT tiles of 8 B columns
-      if (a.M <= 8) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 1>(a);
-      if (a.M <= 16) return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 2>(a);
-      return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 4>(a);
+      switch (column_tiles(a.M)) {
+        case 1:
+          return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 1>(a);
+        case 2:
+          return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 2>(a);
+        default:
+          return launch_kernel<BF16, VEC, HAS_ZP, SUMX, kExact, false, 4>(a);
+      }
     }
   }
   if (a.M > 8) return cudaErrorInvalidValue;  // the probes: one column tile
@@ -709,9 +717,6 @@ cudaError_t launch_vec(int vec, const Args& a) {
       return cudaErrorInvalidValue;
   }
 }
-
-// Column tiles of 8 x rows a launch of M rows runs (the offset form: one).
-int column_tiles(int M) { return M <= 8 ? 1 : M <= 16 ? 2 : 4; }
 
 template <int VEC>
 int smem_for_vec(int warps, int K, bool sumx, int M) {

@@ -57,12 +57,18 @@ def dense_pays(tokens: int, q_heads: int, head_dim: int) -> bool:
     return head_dim > 128 or tokens * q_heads >= DENSE_PREFILL_MIN_HEAD_TOKENS
 
 
+def _fresh_long_rows(prefix_lens: list[int], extend_lens: list[int], dtype: torch.dtype) -> bool:
+    """Every row starts at position 0 with enough tokens that SDPA may pay, in a dtype its fast kernels
+    take."""
+    return (dtype in DENSE_PREFILL_DTYPES and bool(extend_lens) and not any(prefix_lens)
+            and min(extend_lens) >= DENSE_PREFILL_MIN_TOKENS)  # fmt: skip
+
+
 def _dense_rows(batch: ForwardBatch, dtype: torch.dtype) -> list[tuple[int, int]] | None:
     """The rows of an eager prefill step that all start at position 0 with enough tokens that SDPA may
     pay (attend() decides with the layer's head counts)."""
-    if (batch.prefill_graph is not None or batch.graph_size or dtype not in DENSE_PREFILL_DTYPES
-            or not batch.extend_lens_cpu or any(batch.prefix_lens_cpu)
-            or min(batch.extend_lens_cpu) < DENSE_PREFILL_MIN_TOKENS):  # fmt: skip
+    if (batch.prefill_graph is not None or batch.graph_size
+            or not _fresh_long_rows(batch.prefix_lens_cpu, batch.extend_lens_cpu, dtype)):  # fmt: skip
         return None
     rows, start = [], 0
     for n in batch.extend_lens_cpu:
@@ -109,8 +115,8 @@ class TritonAttentionBackend(AttentionBackend):
         tokens (2,048: 149 against 355 us a layer). At head_dim 128 SDPA saves at most 10% of attention
         (8B, 2,048 tokens: 138 against 154 us) and the graph wins (W8A8 8B 2,048 tokens: 34.8 ms in a
         graph, 47.0 eager), so those steps keep the graph."""
-        return (head_dim > 128 and self.kv_pool.k_buffer[0].dtype in DENSE_PREFILL_DTYPES and bool(extend_lens)
-                and not any(prefix_lens) and dense_pays(min(extend_lens), q_heads, head_dim))  # fmt: skip
+        return (head_dim > 128 and _fresh_long_rows(prefix_lens, extend_lens, self.kv_pool.k_buffer[0].dtype)
+                and dense_pays(min(extend_lens), q_heads, head_dim))  # fmt: skip
 
     def metadata(self, batch: ForwardBatch) -> _DecodeMeta | _ExtendMeta:
         if batch.is_decode:
