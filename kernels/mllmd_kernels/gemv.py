@@ -181,14 +181,13 @@ def _skinny_gemm_kernel(
 
 
 def pick_gemv_config(m: int, n: int, k: int, num_sms: int, dtype: torch.dtype = torch.bfloat16) -> GemvConfig:
-    """Tile sizes for x[m, k] @ W[n, k]^T (from sweeps on an H200 over the Qwen3-8B projections)."""
+    """Tile sizes for x[m, k] @ W[n, k]^T (from H200 sweeps over the projections of Qwen3-8B, Qwen3.5-9B,
+    Qwen3-VL-2B and Qwen3.5-2B: `bench_gemv --sweep-m 1 --config ...`)."""
     if m == 1:
-        if k >= 8192 or n <= 4096:  # down, o: long rows or few of them
+        if n * k >= 1 << 24 and (k >= 8192 or n <= 4096):  # 8B / 9B down, o: 32+ MB in long rows or few of them
             cfg = GemvConfig(1, 16, 1024, 1, 8, 1)
-        elif n >= 16384:  # gate_up, lm_head
+        else:  # the rest, and every projection of the 2B models (16-row tiles cost them 10-15%)
             cfg = GemvConfig(1, 4, 1024, 1, 4, 1)
-        else:
-            cfg = GemvConfig(1, 8, 512, 1, 4, 1)
     elif m <= 32:  # tensor cores beat the FMA path from 2 rows on (H200 sweep, M = 2..32)
         cfg = GemvConfig(max(16, next_pow2(m)), 64, 128, 1, 4, 4)
     else:

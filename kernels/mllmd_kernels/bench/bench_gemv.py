@@ -1,12 +1,15 @@
 """gemv vs cuBLAS (torch.nn.functional.linear) on the Qwen3-8B projection shapes, batch 1..64.
 
 `--sweep-m 1 16 64` also times a list of tilings per (shape, M) and prints the best one (to tune
-`pick_gemv_config`).
+`pick_gemv_config`). `--config DIR/config.json ...` takes the projection shapes of those models
+instead (Qwen3, Qwen3-VL, Qwen3.5: the smaller models' K = 2,048 projections tile differently).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +27,7 @@ from mllmd_kernels.bench.common import (
     time_calls,
 )
 from mllmd_kernels.gemv import GemvConfig, gemv, pick_gemv_config, with_auto_split
+from mllmd_kernels.splitk import k_splits
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288, vocab 151936.
 SHAPES = {
@@ -37,13 +41,38 @@ if SMOKE:
     SHAPES = {"qkv": (96, 64), "down": (64, 192)}
 
 
+def config_shapes(path: str) -> dict[str, tuple[int, int]]:
+    """The dense decode projections (N, K) of one model's config.json, named `model:projection`."""
+    cfg = json.loads(Path(path).read_text())
+    t = cfg.get("text_config", cfg)
+    name = Path(path).parent.name or "model"
+    h, heads, kv = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"]
+    d = t.get("head_dim") or h // heads
+    hybrid = "layer_types" in t
+    shapes = {
+        "qkv": ((2 if hybrid else 1) * heads * d + 2 * kv * d, h),  # Qwen3.5: q_proj holds [query | gate]
+        "o": (h, heads * d),
+        "gate_up": (2 * t["intermediate_size"], h),
+        "down": (h, t["intermediate_size"]),
+        "lm_head": (t["vocab_size"], h),
+    }
+    if hybrid:  # the Gated DeltaNet layers' fused input projection (q|k|v, z, b, a) and output projection
+        kd = t["linear_num_key_heads"] * t["linear_key_head_dim"]
+        vd = t["linear_num_value_heads"] * t["linear_value_head_dim"]
+        shapes["gdn_in"] = (2 * kd + 2 * vd + 2 * t["linear_num_value_heads"], h)
+        shapes["gdn_out"] = (h, vd)
+    return {f"{name}:{k}": v for k, v in shapes.items()}
+
+
 def candidates(m: int) -> list[GemvConfig]:
     """Tilings to sweep (split-K is then derived per shape, and 1 is always tried too)."""
     bm = next_pow2(m)
     if m == 1:
         c = [GemvConfig(1, bn, bk, 1, w, st) for bn, bk, w, st in [
             (2, 2048, 4, 1), (4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (8, 1024, 8, 1),
-            (16, 512, 4, 1), (16, 512, 8, 1), (16, 256, 4, 2), (8, 512, 4, 3), (32, 256, 4, 1), (16, 1024, 8, 1)]]
+            (16, 512, 4, 1), (16, 512, 8, 1), (16, 256, 4, 2), (8, 512, 4, 3), (32, 256, 4, 1), (16, 1024, 8, 1),
+            (4, 2048, 4, 1), (2, 1024, 2, 1), (4, 512, 2, 1), (8, 256, 2, 2), (8, 256, 4, 3), (16, 256, 8, 3),
+            (32, 128, 4, 3), (8, 1024, 8, 2)]]
         return c
     fma = [GemvConfig(bm, bn, bk, 1, w, 1) for bn, bk, w in [
         (2, 256, 4), (2, 512, 4), (2, 1024, 4), (4, 256, 4), (4, 512, 4), (4, 1024, 8), (8, 256, 4), (8, 512, 4),
@@ -73,7 +102,9 @@ def _case(name: str, m: int, weights: list[torch.Tensor], g: torch.Generator, sw
         best = (t_ours, cfg)
         for cand in candidates(m):
             auto = with_auto_split(cand, n, k, sms)
-            for split in sorted({auto.split_k, 1}):
+            for split in sorted({auto.split_k, 1} | ({2, 4} if m == 1 else set())):
+                if k_splits(k, split, cand.block_k)[1] != split:
+                    continue
                 c = GemvConfig(cand.block_m, cand.block_n, cand.block_k, split, cand.num_warps, cand.num_stages)
                 try:
                     t = time_calls(lambda i, c=c: gemv(xs[i], weights[i], out=outs[i], config=c), sets, reps=7)
@@ -88,9 +119,9 @@ def _case(name: str, m: int, weights: list[torch.Tensor], g: torch.Generator, sw
     emit(row("gemv", f"{name} M={m} N={n} K={k}", dtype, t_ours, t_torch, nbytes, copy_gbps, **extra))
 
 
-def bench(ms: list[int], dtypes: list[torch.dtype], sweep_ms: list[int], copy_gbps: float, shapes: list[str]) -> None:
-    for name in shapes:
-        n, k = SHAPES[name]
+def bench(ms: list[int], dtypes: list[torch.dtype], sweep_ms: list[int], copy_gbps: float,
+          shapes: dict[str, tuple[int, int]]) -> None:
+    for name, (n, k) in shapes.items():
         for dtype in dtypes:
             sets = num_sets(n * k * torch.empty((), dtype=dtype).element_size(), cap=16)
             g = torch.Generator(device=DEVICE).manual_seed(n + k)
@@ -106,10 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--m", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--dtype", nargs="+", default=["bfloat16"])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    p.add_argument("--config", nargs="*", default=[], help="models' config.json: their shapes instead of Qwen3-8B's")
     p.add_argument("--sweep-m", type=int, nargs="*", default=[], help="batch sizes to sweep tilings for")
     args = p.parse_args(argv)
     dtypes = [getattr(torch, d) for d in args.dtype]
-    bench(args.m, dtypes, args.sweep_m, copy_bandwidth_gbps(), args.shapes)
+    shapes = {name: SHAPES[name] for name in args.shapes}
+    if args.config:
+        shapes = {name: nk for path in args.config for name, nk in config_shapes(path).items()}
+    bench(args.m, dtypes, args.sweep_m, copy_bandwidth_gbps(), shapes)
 
 
 if __name__ == "__main__":
