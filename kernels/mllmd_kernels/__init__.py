@@ -4,7 +4,7 @@ Every module imports without Triton (the references and `store_cache` keep worki
 without mllmd; the Triton wrappers need `triton_available()` (CUDA + Triton), or TRITON_INTERPRET=1
 with CPU tensors for development. One op per module:
 
-  rmsnorm, rope, activation (silu_and_mul), store_cache, kv_indices, decode_inputs, decode_attention,
+  rmsnorm, rope, activation (silu_and_mul, sigmoid_gate), store_cache, kv_indices, decode_inputs, decode_attention,
   extend_attention, sampling (gumbel_argmax, greedy_argmax; gumbel: the seeded noise they reproduce),
   gemv (bf16/fp16 decode GEMV), int8_quant;
   W8A8: int8_config (tilings), int8_gemv (one row), int8_gemm (tensor cores; the references),
@@ -19,7 +19,14 @@ NOTES.md holds the kernels' lab log: the variants tried and their figures.
 """
 
 from mllmd_kernels._triton import HAS_TRITON, interpreting, pdl_launches, triton_available, triton_runnable
-from mllmd_kernels.activation import silu_and_mul, silu_and_mul_int8, silu_and_mul_int8_ref, silu_and_mul_ref
+from mllmd_kernels.activation import (
+    sigmoid_gate,
+    sigmoid_gate_ref,
+    silu_and_mul,
+    silu_and_mul_int8,
+    silu_and_mul_int8_ref,
+    silu_and_mul_ref,
+)
 from mllmd_kernels.decode_attention import decode_attention, decode_attention_ref, decode_num_splits
 from mllmd_kernels.decode_inputs import decode_inputs, decode_inputs_ref
 from mllmd_kernels.extend_attention import extend_attention, extend_attention_ref
@@ -123,6 +130,8 @@ __all__ = [
     "rope",
     "rope_fp32_ref",
     "rope_ref",
+    "sigmoid_gate",
+    "sigmoid_gate_ref",
     "silu_and_mul",
     "silu_and_mul_int8",
     "silu_and_mul_int8_ref",

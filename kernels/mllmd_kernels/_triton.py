@@ -21,6 +21,9 @@ try:  # pragma: no cover - depends on the environment
     import triton
     import triton.language as tl
 
+    # the CUDA math library: expf as torch's CUDA kernels compute it (tl.exp is ex2.approx)
+    from triton.language.extra import libdevice
+
     HAS_TRITON = True
 except ImportError:  # pragma: no cover
     HAS_TRITON = False
@@ -49,6 +52,7 @@ except ImportError:  # pragma: no cover
 
     triton = _MissingTriton()  # type: ignore[assignment]
     tl = None  # type: ignore[assignment]
+    libdevice = None  # type: ignore[assignment]
 
 
 def interpreting() -> bool:

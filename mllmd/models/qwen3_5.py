@@ -28,6 +28,8 @@ from mllmd.models.layers import (
     RotaryAttention,
     compute_logits,
 )
+from mllmd.models.layers.activation import output_gate
+from mllmd.models.layers.dispatch import fused_kernels
 from mllmd.models.layers.gated_deltanet import GatedDeltaNet, HybridStep
 from mllmd.models.layers.norm import ZeroCentredRMSNorm
 from mllmd.models.mrope import MRotaryEmbedding
@@ -64,8 +66,10 @@ class Qwen3_5Attention(nn.Module):
         t = x.shape[0]
         q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # per head [query | gate]
-        out = self.attn(rope, q.reshape(t, self.q_size), k, v, step)  # QK-norm, partial M-RoPE, paged attention
-        return self.o_proj(out * torch.sigmoid(gate.reshape(t, self.q_size)))
+        if not fused_kernels(x):  # the torch route works on [T, Hq * D] copies (the kernels read the views)
+            q, gate = q.reshape(t, self.q_size), gate.reshape(t, self.q_size)
+        out = self.attn(rope, q, k, v, step)  # QK-norm, partial M-RoPE, paged attention
+        return self.o_proj(output_gate(out, gate))  # out * sigmoid(gate)
 
 
 class Qwen3_5DecoderLayer(nn.Module):

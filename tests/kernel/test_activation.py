@@ -1,5 +1,6 @@
 """silu_and_mul against silu(gate) * up in torch on fresh random inputs; silu_and_mul_int8 against
-int8_quant(silu_and_mul(x)) bit for bit, and against the torch reference."""
+int8_quant(silu_and_mul(x)) bit for bit, and against the torch reference; sigmoid_gate (Qwen3.5's
+attention output gate) against torch bit for bit on a GPU."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 from mllmd_kernels import (
     int8_quant,
     int8_quant_ref,
+    sigmoid_gate,
+    sigmoid_gate_ref,
     silu_and_mul,
     silu_and_mul_int8,
     silu_and_mul_int8_ref,
@@ -24,7 +27,7 @@ from mllmd_kernels.testing import (
     skip_reason,
 )
 
-from mllmd.models.layers.activation import SiluAndMul
+from mllmd.models.layers.activation import SiluAndMul, output_gate
 
 DEVICE = kernel_device()
 pytestmark = pytest.mark.skipif(DEVICE is None, reason=skip_reason())
@@ -92,3 +95,57 @@ def test_silu_and_mul_int8_strided_zero_and_wide_rows() -> None:
     qw, sw = silu_and_mul_int8(wide)
     qw2, sw2 = int8_quant(silu_and_mul(wide))
     assert qw.shape == (2, d) and torch.equal(qw, qw2) and torch.equal(sw, sw2)
+
+
+# (tokens, heads, head_dim)
+GATE_SHAPES = [(1, 4, 32), (5, 8, 256), (3, 3, 40)] + ([(1, 8, 256), (2048, 16, 256), (7, 32, 128)] if on_gpu() else [])
+
+
+def _gate_exact(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit on a GPU (expf from CUDA's math library, as torch's kernel); the interpreter's exp
+    is numpy's and its float32 -> bfloat16 cast truncates: close there."""
+    if on_gpu():
+        assert torch.equal(got, want), f"{int((got != want).sum())} of {got.numel()} differ"
+    else:
+        torch.testing.assert_close(got, want, **close_tol(got.dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+@pytest.mark.parametrize("shape", GATE_SHAPES)
+def test_sigmoid_gate_matches_torch(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The gate as Qwen3.5 has it: the second half of each head's [query | gate] slice of the fused qkv
+    output (row stride the qkv width, head stride 2 * D); x the attention output [T, H * D]."""
+    t, h, d = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    qkv = randn(t, 2 * h * d + 4 * d, dtype=dtype, device=DEVICE, gen=g, scale=4.0)
+    gate = qkv[:, : 2 * h * d].view(t, h, 2 * d)[..., d:]
+    x = randn(t, h * d, dtype=dtype, device=DEVICE, gen=g, scale=2.0)
+    out = poisoned((t, h * d), dtype, DEVICE)
+    got = sigmoid_gate(x, gate, out=out)
+    assert got is out and not out.isnan().any(), "some outputs were never written"
+    want = x * torch.sigmoid(gate.reshape(t, h * d))
+    _gate_exact(got, want)
+    assert torch.equal(sigmoid_gate_ref(x, gate), want)
+    # the model's helper: the kernel on CUDA, torch elsewhere (exactly)
+    assert torch.equal(output_gate(x, gate), got if x.is_cuda else want)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # the interpreter's numpy, at -inf
+@pytest.mark.parametrize("dtype", DTYPES_WITH_FP32)
+def test_sigmoid_gate_every_value_and_in_place(dtype: torch.dtype) -> None:
+    """Gates over the whole useful range (every 16-bit value of the dtype in (-90, 90), zeros, ±inf),
+    a 2-D gate, and out = x."""
+    if dtype == torch.float32:
+        gates = torch.cat([torch.linspace(-90, 90, 1 << 16), torch.randn(1 << 14) * 1e-3])
+    else:
+        bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+        gates = bits.view(dtype).float()
+        gates = gates[gates.isfinite() & (gates.abs() < 90)]
+    gates = torch.cat([gates, torch.tensor([0.0, -0.0, float("inf"), float("-inf")])])
+    n = gates.numel() // 64 * 64
+    gate = gates[:n].to(dtype).view(-1, 64).to(DEVICE)
+    x = randn(*gate.shape, dtype=dtype, device=DEVICE, gen=torch.Generator().manual_seed(2), scale=3.0)
+    want = x * torch.sigmoid(gate)
+    _gate_exact(sigmoid_gate(x, gate), want)
+    sigmoid_gate(x, gate, out=x)
+    _gate_exact(x, want)

@@ -124,23 +124,30 @@ PDL_OFFLINE = pytest.mark.skipif(
 
 
 @PDL_OFFLINE
-def test_rope_reads_only_step_constants_before_the_pdl_wait() -> None:
+@pytest.mark.parametrize("rotary", ["full", "partial"])
+def test_rope_reads_only_step_constants_before_the_pdl_wait(rotary: str) -> None:
     """Under PDL the RoPE kernel reads the positions, slots, cos/sin rows and QK-norm weights (which
     the qkv projection before it does not write) before griddepcontrol.wait, so their latency
-    overlaps that kernel's tail; it reads q/k/v only after it and writes nothing before it."""
+    overlaps that kernel's tail; it reads q/k/v only after it and writes nothing before it. "partial":
+    Qwen3.5's launch (zero-centred norm, dims passed through: their weights early, their rows after)."""
     from mllmd_kernels.rope import _rope_kernel
 
     types = {"pos_ptr": "*i64", "loc_ptr": "*i64", "q_ptr": "*bf16", "k_ptr": "*bf16", "q_out_ptr": "*bf16",
              "k_out_ptr": "*bf16", "v_ptr": "*bf16", "v_cache_ptr": "*bf16", "qw_ptr": "*bf16", "kw_ptr": "*bf16",
              "eps": "fp32"}  # fmt: skip
-    lines = _kernel_ptx(_rope_kernel, dict(HAS_NORM=True, STORE_KV=True, ROUND_PRODUCTS=True, BLOCK_HEADS=8, BLOCK=64), types)
+    partial = rotary == "partial"
+    consts = dict(HAS_NORM=True, ZERO_CENTRED=partial, STORE_KV=True, ROUND_PRODUCTS=True, BLOCK_HEADS=2 if partial else 8,
+                  BLOCK=32 if partial else 64, PASS_BLOCK=256 if partial else 0)  # fmt: skip
+    lines = _kernel_ptx(_rope_kernel, consts, types)
     loads, writes = _before_wait(lines)
     assert not writes, f"global memory written before griddepcontrol.wait: {writes}"
-    # pos, loc, the four cos/sin halves and the two weight halves: one load instruction a thread each
-    assert len(loads) >= 8, loads
+    # pos, loc, the four cos/sin halves and the two weight halves (and the passed dims' weights):
+    # one load instruction a thread each
+    assert len(loads) >= 8 + partial, loads
     after = lines[next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line) :]
     after_loads = [line.strip() for line in after if re.search(r"\bld\.global", line)]
-    assert 2 <= len(after_loads) <= 4, f"after the wait only the rows' two halves of q/k and of v: {after_loads}"
+    most = 6 if partial else 4
+    assert 2 <= len(after_loads) <= most, f"after the wait only the rows of q/k and of v: {after_loads}"
 
 
 @PDL_OFFLINE

@@ -1,4 +1,4 @@
-"""Paged attention as a model layer: per-head QK RMSNorm, RoPE, the step's K/V into the pool, attention.
+"""Paged attention as a model layer: per-head QK norm, RoPE, the step's K/V into the pool, attention.
 
 The model passes the step's `AttentionStep` (built by the engine's attention backend for each step;
 the models never import the engine) down to every attention layer. Which kernels a layer runs is
@@ -17,7 +17,7 @@ from torch import nn
 
 from mllmd.models.layers.dispatch import fused_kernels
 from mllmd.models.layers.fused_inputs import RowsWithAmax
-from mllmd.models.layers.norm import RMSNorm
+from mllmd.models.layers.norm import RMSNorm, ZeroCentredRMSNorm
 from mllmd.models.layers.rotary import RopeTable, apply_rope
 
 
@@ -49,7 +49,7 @@ class AttentionStep(Protocol):
 
 
 class RotaryAttention(nn.Module):
-    """q, k, v of one layer -> attention output [T, Hq * D]: QK RMSNorm (when the model has it), RoPE
+    """q, k, v of one layer -> attention output [T, Hq * D]: QK norm (when the model has it), RoPE
     (the step's table, on the first `rotary_dim` dims), K/V into the pool, attention. `kv_layer`
     indexes the KV pool (the layer's place among the model's attention layers); `dtype` is the
     model's. The norms belong to the model's attention module (their weights are named there); they
@@ -71,8 +71,10 @@ class RotaryAttention(nn.Module):
         self.kv_layer = kv_layer
         self.dtype = dtype  # what the rope kernel returns (and the KV pool must hold for it to store K/V)
         self.rotary_dim = rotary_dim or head_dim
-        # the rope kernel rotates whole heads and applies RMSNorm's numerics to q and k
-        self.fusable_rope = self.rotary_dim == head_dim and all(isinstance(n, (RMSNorm, type(None))) for n in (q_norm, k_norm))
+        # the rope kernel applies RMSNorm's or the zero-centred norm's numerics (one kind for q and k)
+        # and rotates the table's width of each head (rotary_dim), passing the rest through
+        self.fusable_rope = type(q_norm) is type(k_norm) and isinstance(q_norm, (RMSNorm, ZeroCentredRMSNorm, type(None)))
+        self.zero_centred_norm = isinstance(q_norm, ZeroCentredRMSNorm)
         self.scale = head_dim**-0.5
         self._norms = (q_norm, k_norm)  # a tuple: not submodules of this one
         # Set by the fusion plan: the rope kernel stores K/V itself; attention writes max|out| partials.
@@ -82,9 +84,11 @@ class RotaryAttention(nn.Module):
     def forward(
         self, rope_table: RopeTable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: AttentionStep
     ) -> torch.Tensor | RowsWithAmax:
-        """q [T, Hq * D], k / v [T, Hkv * D] (views into a fused qkv output are fine)."""
+        """q [T, Hq * D] or [T, Hq, D], k / v [T, Hkv * D] (views into a fused qkv output are fine: the
+        rope kernel reads them in place)."""
         q_norm, k_norm = self._norms
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        if q.dim() == 2:
+            q = q.unflatten(-1, (self.num_heads, self.head_dim))
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
         layer = self.kv_layer
@@ -93,11 +97,12 @@ class RotaryAttention(nn.Module):
             qw = q_norm.weight if q_norm is not None else None
             kw = k_norm.weight if k_norm is not None else None
             eps = q_norm.eps if q_norm is not None else 1e-6
+            zc = self.zero_centred_norm
             if self.rope_stores_kv:
                 k_cache, v_cache, slots = step.kv_cache(layer)
-                q, _ = rope(index, q, k, cos, sin, qw, kw, eps, kv_cache=(v, k_cache, v_cache, slots))
+                q, _ = rope(index, q, k, cos, sin, qw, kw, eps, kv_cache=(v, k_cache, v_cache, slots), zero_centred_norm=zc)
             else:
-                q, k = rope(index, q, k, cos, sin, qw, kw, eps)
+                q, k = rope(index, q, k, cos, sin, qw, kw, eps, zero_centred_norm=zc)
                 step.store(layer, k, v)
         else:
             if q_norm is not None and k_norm is not None:
