@@ -27,6 +27,11 @@ DISABLE_FUSED_KERNELS = _flag("MLLMD_DISABLE_FUSED_KERNELS", False)
 # gate/up projections and the SiLU-and-mul after gate/up in launches of their own, for A/B comparisons.
 W4A16_FUSIONS = _flag("MLLMD_W4A16_FUSIONS", True)
 
+# MLLMD_GEMV_FUSIONS=0 (default 1): at batch-1 decode the dense projections' one-row GEMV no longer
+# applies the RMSNorm, SiLU-and-mul or gated RMSNorm before it (mllmd_kernels.gemv_fused); those run
+# in launches of their own, for A/B comparisons.
+GEMV_FUSIONS = _flag("MLLMD_GEMV_FUSIONS", True)
+
 
 def step_trace_path() -> str | None:
     """MLLMD_STEP_TRACE=FILE (default unset): the scheduler worker appends one JSON line per loop

@@ -6,7 +6,8 @@ with CPU tensors for development. One op per module:
 
   rmsnorm, rope, activation (silu_and_mul, sigmoid_gate), store_cache, kv_indices, decode_inputs, decode_attention,
   extend_attention, sampling (gumbel_argmax, greedy_argmax; gumbel: the seeded noise they reproduce),
-  gemv (bf16/fp16 decode GEMV), int8_quant;
+  gemv (bf16/fp16 decode GEMV), gemv_fused (the one-row GEMV with the norm / SiLU-and-mul before it),
+  int8_quant;
   W8A8: int8_config (tilings), int8_gemv (one row), int8_gemm (tensor cores; the references),
   int8_gemm_tma (sm90 prefill);
   W4A16: w4a16_dequant (the int4 format, its references, dequantize), w4a16_config (tilings),

@@ -44,6 +44,17 @@ class GemvConfig:
 
 
 @triton.jit
+def store_row(acc, x_dtype: tl.constexpr, y_ptr, part_ptr, offs_n, mask_n, pid_k, N, IS_SPLIT: tl.constexpr):
+    """One row's outputs from acc [BLOCK_N, BLOCK_K]: summed over K, rounded to x's dtype into y (a
+    float32 y holds exactly those values), or this K split's float32 partials into part [split, N]."""
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    if not IS_SPLIT:
+        tl.store(y_ptr + offs_n, y.to(x_dtype).to(y_ptr.dtype.element_ty), mask=mask_n)
+    else:
+        tl.store(part_ptr + pid_k * N + offs_n, y, mask=mask_n)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [M, K]
     w_ptr,  # [N, K]
@@ -90,11 +101,7 @@ def _gemv_kernel(
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        y = tl.sum(acc, axis=1)  # [BLOCK_N]
-        if not IS_SPLIT:
-            tl.store(y_ptr + offs_n, y.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask_n)
-        else:
-            tl.store(part_ptr + pid_k * N + offs_n, y, mask=mask_n)
+        store_row(acc, x_ptr.dtype.element_ty, y_ptr, part_ptr, offs_n, mask_n, pid_k, N, IS_SPLIT)
     else:
         offs_m = tl.arange(0, BLOCK_M)
         mask_m = offs_m < M

@@ -45,3 +45,23 @@ class NormRows:
     residual: torch.Tensor | None
     norm: Any  # an RMSNorm: .weight, .eps
     residual_out: torch.Tensor
+
+
+@dataclass
+class SiluRows:
+    """Gate/up rows h [T, 2K] whose silu(gate) * up the consuming kernel applies to its input in its own
+    launch (the down projection's one-row GEMV), instead of a SiLU-and-mul launch between them."""
+
+    h: torch.Tensor
+
+
+@dataclass
+class GatedNormRows:
+    """Qwen3.5's DeltaNet output rows x [T, K] = heads of `group`, whose gated RMSNorm (weight [group],
+    gate z [T, K]) the consuming kernel applies in its own launch (the out projection's one-row GEMV)."""
+
+    x: torch.Tensor
+    z: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    group: int

@@ -32,7 +32,8 @@ from mllmd_kernels import (
 from torch import nn
 
 from mllmd.models.layers.dispatch import fused_kernels
-from mllmd.models.layers.linear import Linear, MergedLinear
+from mllmd.models.layers.fused_inputs import GatedNormRows
+from mllmd.models.layers.linear import Linear, MergedLinear, row_prologue
 from mllmd.models.quantization import QuantConfig, get_linear_scheme
 
 
@@ -105,19 +106,21 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads, dtype=dtype), requires_grad=False)
         self.norm = _GatedNormWeight(self.head_v_dim, config.rms_norm_eps, dtype)
         self.out_proj = Linear(self.value_dim, hidden, dtype=dtype, quant=get_linear_scheme(quant, f"{prefix}.out_proj"))
+        self.norm_in_out_proj = False  # set by the fusion plan: a dense out_proj's GEMV applies the gated norm
 
     @property
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """(conv state [conv_dim, K - 1], recurrent state [Hv, Dk, Dv]) of one request."""
         return (self.conv_dim, self.conv_width - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
-    def forward(self, x: torch.Tensor, states: RecurrentStep) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, x: Any, states: RecurrentStep) -> torch.Tensor:
+        """x [T, H] (or rows whose norm in_proj applies in its launch: fusion.py) -> [T, H]."""
         proj = self.in_proj(x)  # [T, conv_dim + Hv * Dv + 2 Hv]
+        t = proj.shape[0]
         mixed, z, b, a = proj.split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         weight = self.conv1d.weight.squeeze(1)  # [C, K]
         conv_state, ssm_state = states.conv_state(self.state_layer), states.ssm_state(self.state_layer)
-        fast = fused_kernels(x)
+        fast = fused_kernels(proj)
         if states.decode:
             conv = causal_conv1d_decode if fast else causal_conv1d_decode_ref
             y = conv(mixed, weight, None, conv_state, states.slots)
@@ -135,6 +138,10 @@ class GatedDeltaNet(nn.Module):
             g, beta = gdn_gating_ref(a, b, self.A_log, self.dt_bias)
             rule = chunk_gated_delta_rule if fast else chunk_gated_delta_rule_ref
             o = rule(q, k, v, g, beta, None, ssm_state, states.slots, states.has_initial_state, states.cu_seqlens)
+        if self.norm_in_out_proj:  # one row: the gated norm in out_proj's launch (the fusion plan's route)
+            pending = GatedNormRows(o.reshape(t, self.value_dim), z, self.norm.weight, self.norm.eps, self.head_v_dim)
+            if self.out_proj.takes_rows(pending.x, row_prologue(pending)[1]):
+                return self.out_proj(pending)
         norm = gated_rmsnorm if fast else gated_rmsnorm_ref
         o = norm(o, z.reshape(t, self.num_v_heads, self.head_v_dim), self.norm.weight, self.norm.eps)  # [T, Hv, Dv]
         return self.out_proj(o.reshape(t, self.value_dim))

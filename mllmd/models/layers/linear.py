@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import gemv
+from mllmd_kernels.gemv_fused import RowPrologue, fusable, gemv_fused
 from mllmd_kernels.rmsnorm import NormInput
 from torch import nn
 
 from mllmd.models.layers.dispatch import use_gemv
-from mllmd.models.layers.fused_inputs import Int8Rows, NormRows, RowsWithAmax
+from mllmd.models.layers.fused_inputs import GatedNormRows, Int8Rows, NormRows, RowsWithAmax, SiluRows
 from mllmd.models.quantization import LinearScheme, QuantLinearKernel, QuantMethod, create_quant_method
 
 
@@ -42,9 +43,14 @@ class Linear(nn.Module):
             self.quant_method.create_weights(self)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax | NormRows) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Int8Rows | RowsWithAmax | NormRows | SiluRows | GatedNormRows) -> torch.Tensor:
         if isinstance(x, NormRows):  # the norm in this layer's launch (the plan made sure it can)
+            if self.quant_method is None:
+                return gemv_fused(x.x, self.weight, norm_prologue(x))
             return self._apply_fused(x, silu=False)
+        if isinstance(x, (SiluRows, GatedNormRows)):  # only ever handed to a dense one-row GEMV
+            rows, prologue = row_prologue(x)
+            return gemv_fused(rows, self.weight, prologue)
         if isinstance(x, Int8Rows):  # quantized by the op before (only where the kernel takes_int8_input)
             return self.kernel.apply_int8(self, x.q, x.scale, x.dtype, self.bias)
         if isinstance(x, RowsWithAmax):
@@ -69,8 +75,14 @@ class Linear(nn.Module):
     def can_fuse_norm(self, x: torch.Tensor, norm: NormInput, silu: bool) -> bool:
         """Whether this layer's kernel applies `norm` to x in its own launch (and, with `silu`, a gate/up
         layer's silu(gate) * up too) for this x."""
-        kernel = self.quant_method.kernel if self.quant_method is not None else None
+        if self.quant_method is None:  # the dense one-row GEMV (norm weights are 16-bit like x)
+            return not silu and self.takes_rows(x, RowPrologue("rmsnorm", norm.weight, norm.eps))
+        kernel = self.quant_method.kernel
         return kernel is not None and kernel.fusable(self, x, norm, silu)
+
+    def takes_rows(self, x: torch.Tensor, prologue: RowPrologue) -> bool:
+        """Whether this dense layer's one-row GEMV (gemv_fused) applies `prologue` to x in its launch."""
+        return self.quant_method is None and self.bias is None and use_gemv(x) and fusable(x, self.weight, prologue)
 
     def _apply_fused(self, x: torch.Tensor | NormRows, silu: bool) -> torch.Tensor:
         """The kernel's launch with the norm of NormRows before it and / or silu(gate) * up after it."""
@@ -120,6 +132,19 @@ class Linear(nn.Module):
         """Let the quantized layer's kernel prepare its weights (no-op when unquantized)."""
         if self.quant_method is not None:
             self.quant_method.process_weights_after_loading(self)
+
+
+def norm_prologue(rows: NormRows) -> RowPrologue:
+    """The gemv_fused prologue of a norm's pending rows (the norm module names its numerics)."""
+    residual_out = rows.residual_out if rows.residual is not None else None
+    return RowPrologue(rows.norm.prologue_kind, rows.norm.weight, rows.norm.eps, rows.residual, residual_out)
+
+
+def row_prologue(rows: SiluRows | GatedNormRows) -> tuple[torch.Tensor, RowPrologue]:
+    """The GEMV's input rows and the prologue that SiluRows / GatedNormRows ask for."""
+    if isinstance(rows, SiluRows):
+        return rows.h, RowPrologue("silu_mul")
+    return rows.x, RowPrologue("gated_rmsnorm", rows.weight, rows.eps, gate=rows.z, group=rows.group)
 
 
 class MergedLinear(Linear):

@@ -18,7 +18,21 @@ from mllmd.models.layers.dispatch import fused_kernels
 from mllmd.models.layers.fused_inputs import Int8Rows, NormRows
 
 
+def hand_on(norm: Any, x: torch.Tensor, residual: torch.Tensor | None) -> Any:
+    """The NormRows a norm hands the Linear that the fusion plan fused it into, where that layer's
+    kernel takes them for this x (with the sum x + residual the launch will write); else None."""
+    linear, silu = norm.fused_into
+    if not linear.can_fuse_norm(x, NormInput(norm.weight, norm.eps, residual), silu):
+        return None
+    if residual is None:
+        return NormRows(x, None, norm, x)
+    total = torch.empty_like(x)  # the fused launch writes x + residual here
+    return NormRows(x, residual, norm, total), total
+
+
 class RMSNorm(nn.Module):
+    prologue_kind = "rmsnorm"  # its numerics, for a kernel that applies it in its own launch
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
@@ -37,13 +51,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual). norm(x) is a
         tensor, or what the fusion plan has this norm hand on (Int8Rows, NormRows)."""
-        if self.fused_into is not None:
-            linear, silu = self.fused_into
-            if linear.can_fuse_norm(x, NormInput(self.weight, self.eps, residual), silu):
-                if residual is None:
-                    return NormRows(x, None, self, x)
-                total = torch.empty_like(x)  # the fused launch writes x + residual here
-                return NormRows(x, residual, self, total), total
+        if self.fused_into is not None and (pending := hand_on(self, x, residual)) is not None:
+            return pending
         if self.int8_output:
             return self.forward_int8(x, residual)
         if fused_kernels(x):  # one Triton kernel: add, reduce, scale (same rounding as below)
@@ -66,16 +75,22 @@ class RMSNorm(nn.Module):
 
 class ZeroCentredRMSNorm(nn.Module):
     """Qwen3.5's RMSNorm: the weight stored as an offset from 1, applied as (1 + w) in float32 with one
-    rounding (its own kernel: mllmd_kernels.rmsnorm_zero_centred). Never fused into a projection's
-    launch (the fusing kernels implement RMSNorm's rounding)."""
+    rounding (its own kernel: mllmd_kernels.rmsnorm_zero_centred). The fusion plan may fuse it into a
+    dense projection's one-row GEMV, which applies these numerics (gemv_fused)."""
+
+    prologue_kind = "rmsnorm_zero_centred"
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size, dtype=dtype), requires_grad=False)
         self.eps = eps
+        self.fused_into: tuple[Any, bool] | None = None  # set by the fusion plan, as RMSNorm's
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual). Where the
+        fusion plan says so, the NormRows its Linear applies the norm to instead (RMSNorm.forward)."""
+        if self.fused_into is not None and (pending := hand_on(self, x, residual)) is not None:
+            return pending
         if fused_kernels(x):
             return rmsnorm_zero_centred(x, self.weight, self.eps, residual)
         return rmsnorm_zero_centred_ref(x, self.weight, self.eps, residual)
