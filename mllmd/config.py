@@ -87,7 +87,7 @@ class EngineConfig:
     disable_radix_cache: bool = _f("cache", False, "turn the prefix cache off")
     attention_backend: str = _f("runtime", "auto", "auto | torch | triton | flashinfer")
     mem_fraction_static: float = _f("runtime", 0.85, "fraction of device memory for weights + KV cache")
-    disable_cuda_graph: bool = _f("runtime", False, "run decode steps eagerly instead of replaying CUDA graphs")
+    disable_cuda_graph: bool = _f("runtime", False, "run every step and the vision tower eagerly instead of replaying CUDA graphs")
     cuda_graph_max_bs: int = _f(
         "runtime", 64,
         "largest decode batch run as a CUDA graph, and most requests in a prefill or mixed step run as one "

@@ -6,7 +6,10 @@ python -m mllmd.bench.multimodal --model-path DIR --image-size 1000x750 --input-
 The prompt is one chat turn holding one synthetic picture, then random text tokens up to `--input-len`.
 Each repeat draws a new picture, so the encoder cache never hits, and the prefix cache is off. One JSON
 line holds the medians:
-- `vit_prefill_ms`: the vision tower alone on the image (upload, patchify on the device, encode).
+- `vit_prefill_ms`: the vision tower alone on the image (upload, patchify on the device, encode). Every
+  picture has the same size, so from the warm-up on its grid replays the tower's CUDA graph
+  (`vit_graph_replays` counts them); `vit_eager_ms` is the same tower call without the graphs, as a
+  grid not seen before runs.
 - `prefill_ms` / `prefill_tokens_per_s`: the whole prompt's first step. This is the tower plus the
   decoder's prefill of every token, as a fresh image request pays it.
 - `median_decode_latency`: the batch-1 decode step after the image.
@@ -69,16 +72,21 @@ def image_prompt(llm: LLM, image: Image.Image, input_len: int, seed: int) -> tup
     return ids[: len(ids) - tail] + filler + ids[len(ids) - tail :], images
 
 
-def time_vit(llm: LLM, image: EngineImage) -> float:
-    """Seconds for the vision tower on one image (not cached: VisionRunner.encode bypasses the cache)."""
+def time_vit(llm: LLM, image: EngineImage, *, eager: bool = False) -> float:
+    """Seconds for the vision tower on one image (not cached: VisionRunner.encode bypasses the cache).
+    `eager`: without the tower's CUDA graphs, as an image of a grid not seen before runs."""
     vision = llm.engine.runner.vision
     assert vision is not None
     device = llm.engine.runner.device
-    _sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():  # as transformers' tower is timed
-        vision.encode([image])
-    _sync(device)
+    graphs, vision.graphs = vision.graphs, (None if eager else vision.graphs)
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():  # as transformers' tower is timed
+            vision.encode([image])
+        _sync(device)
+    finally:
+        vision.graphs = graphs
     return time.perf_counter() - t0
 
 
@@ -153,8 +161,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     cases = [image_prompt(llm, (pic := synthetic_image(width, height, args.seed + r)), args.input_len, args.seed + r) + (pic,)
              for r in range(args.repeats + 1)]  # the first is the untimed warm-up: Triton compiles, cuBLAS picks
-    vit, prefill, decode, hf_vit, hf_prefill, hf_decode = [], [], [], [], [], []
+    vit, vit_eager, prefill, decode, hf_vit, hf_prefill, hf_decode = [], [], [], [], [], [], []
     for r, (ids, images, pic) in enumerate(cases):
+        ve = time_vit(llm, images[0], eager=True)
         v = time_vit(llm, images[0])
         p = time_prefill(llm, [ids], [images])
         d = statistics.median(time_engine(llm, [ids], args.output_len, images=[images]).decode_latencies)
@@ -163,7 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hv, hp, hd = hf.time_vit(inputs), hf.time_prefill(inputs), hf.time_decode_step(inputs, args.output_len)
         if r == 0:
             continue
-        vit.append(v), prefill.append(p), decode.append(d)
+        vit.append(v), vit_eager.append(ve), prefill.append(p), decode.append(d)
         if hf is not None:
             hf_vit.append(hv), hf_prefill.append(hp), hf_decode.append(hd)
 
@@ -181,7 +190,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     line: dict[str, Any] = {
         "run_name": args.run_name, "image_size": [width, height], "image_tokens": images[0].num_tokens,
         "input_len": len(ids), "output_len": args.output_len, "repeats": args.repeats,
-        "vit_prefill_ms": statistics.median(vit) * 1e3, "prefill_ms": statistics.median(prefill) * 1e3,
+        "vit_prefill_ms": statistics.median(vit) * 1e3, "vit_eager_ms": statistics.median(vit_eager) * 1e3,
+        "vit_graph_replays": runner.vision.graphs.replays if runner.vision.graphs is not None else 0,
+        "prefill_ms": statistics.median(prefill) * 1e3,
         "prefill_tokens_per_s": len(ids) / statistics.median(prefill), "median_decode_latency": step,
         "device": str(info.device), "dtype": str(info.dtype).replace("torch.", ""),
         "cuda_graph": runner.graph_runner is not None, "weight_bytes_per_step": weight_bytes_per_step(runner.model),

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mllmd.models.multimodal import ImageEmbeds
+from mllmd.models.multimodal import StepImages
 
 
 @dataclass
@@ -30,7 +30,7 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
     prefill_graph: tuple[int, int] | None = None  # (tokens, rows): staged in that prefill graph's inputs
-    images: ImageEmbeds | None = None  # the step's image tokens (vision-language models)
+    images: StepImages | None = None  # the step's image tokens (vision-language models)
     state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (hybrid models)
     # prompt logprobs: (request, first position, count) per row that wants them; their logits follow
     # the sampling rows' in logits_indices, in this order

@@ -24,12 +24,14 @@ from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.memory_budget import device_memory, kv_budget_bytes
 from mllmd.engine.model_forward import forward_logits
-from mllmd.engine.prefill_graph import PrefillGraphRunner, token_buckets
+from mllmd.engine.prefill_graph import ImageInputs, PrefillGraphRunner, prefill_image_bytes, token_buckets
 from mllmd.engine.request import PLACEHOLDER, Req
 from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
 from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import ScheduledBatch
 from mllmd.engine.state_pool import StatePool, StateStep
+from mllmd.engine.vision_graph import VisionGraphs
+from mllmd.engine.vision_graph import reserved_bytes as vision_graph_bytes
 from mllmd.engine.vision_runner import VisionRunner, mrope_step_positions
 from mllmd.models import get_model_class
 from mllmd.models.layers import plan_fusions
@@ -168,8 +170,10 @@ class ModelRunner:
         if hasattr(self.model, "encode_images"):
             from mllmd.multimodal.image_processing import VisionPreprocessConfig
 
+            tower_graphs = (VisionGraphs(self.model.visual)
+                            if self.device.type == "cuda" and not config.disable_cuda_graph else None)
             self.vision = VisionRunner(self.model, VisionPreprocessConfig.from_model_dir(config.model_path),
-                                       EncoderCache(config.encoder_cache_mb << 20), self.device)
+                                       EncoderCache(config.encoder_cache_mb << 20), self.device, tower_graphs)
         # hybrid models (Qwen3.5): the Gated DeltaNet layers' recurrent states, beside the KV pool
         self.state_layers = list(getattr(self.model, "state_layers", []))
         self.state_pool: StatePool | None = None
@@ -195,6 +199,7 @@ class ModelRunner:
                     self.prefill_graphs = PrefillGraphRunner(
                         self.model, self.attn_backend, self.token_buf, self._prefill_graph_tokens(),
                         self._graph_max_bs(), self._graph_plan(), state_slots=self.state_pool is not None,
+                        images=self._graph_images(),
                     )
                 # The decode graphs keep a pool of their own, as before the prefill graphs: sharing would
                 # save only their few MB of intermediates, and batch-64 decode measured 2.6% slower on
@@ -286,6 +291,10 @@ class ModelRunner:
             prefill_graph_tokens = self._prefill_graph_tokens()
             if prefill_graph_tokens:  # their pool holds the activations of the largest one, as profiled
                 graphs += self.profile_step_bytes(token_buckets(prefill_graph_tokens)[-1])
+                if (images := self._graph_images()) is not None:  # and a vision model's image buffers
+                    graphs += prefill_image_bytes(images, token_buckets(prefill_graph_tokens)[-1])
+            if self.vision is not None and self.vision.graphs is not None:  # the tower's, per repeated grid
+                graphs += vision_graph_bytes(self.model.visual, self.model.visual.dtype, self.info.spatial_merge_size)
         budget = kv_budget_bytes(mem, self.config.mem_fraction_static, activations, sampler, graphs)
         self._kv_budget_detail = (
             f"KV budget {budget / 1e9:.2f} GB: device {mem.total / 1e9:.1f} GB x {self.config.mem_fraction_static:.2f} "
@@ -310,6 +319,13 @@ class ModelRunner:
         """The largest prefill / mixed step run as a CUDA graph (0: none; the backend must also support
         it: PrefillGraphRunner)."""
         return min(self.config.prefill_graph_max_tokens, self.config.max_prefill_tokens, self.info.context_length)
+
+    def _graph_images(self) -> ImageInputs | None:
+        """What the prefill graphs of a vision-language model take of its images (None: a text model)."""
+        if self.vision is None:
+            return None
+        tower = self.model.visual.config
+        return ImageInputs(tower.out_hidden_size, len(tower.deepstack_visual_indexes), self.info.dtype)
 
     def _plan(self, batch: ForwardBatch, backend: AttentionBackend | None = None, states: StatePool | None = None) -> Any:
         """The step the model takes: the attention step, and for hybrid models the state pools' view."""
@@ -453,14 +469,14 @@ class ModelRunner:
             images = self.vision.step_embeds(sched.reqs, sched.prefix_lens, sched.extend_lens)
         pg = self.prefill_graphs
         shape = self.model.attention_shape
-        if (pg is not None and not prompt_spans and axes is None and images is None
+        if (pg is not None and not prompt_spans
                 and not self.attn_backend.prefers_eager(list(sched.prefix_lens), list(sched.extend_lens),
                                                         shape.num_heads, shape.head_dim)):  # fmt: skip
             fill = [int(t == PLACEHOLDER) for t in input_ids]
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
             states = [r.state_slot or 0 for r in sched.reqs] if self.state_pool is not None else None
             staged_batch = pg.stage(ids, columns, positions, token_rows, fill, rows, seq_lens, list(sched.prefix_lens),
-                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc, states)
+                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc, states, axes, images)
             if staged_batch is not None:
                 return staged_batch
         # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,

@@ -22,9 +22,15 @@ first, so their memory is about that of the largest step.
 Hybrid models (Qwen3.5) pass each row's recurrent-state slot: the Gated DeltaNet prefill kernels take
 the rows from cu_seqlens (built in the graph from the extend lengths), so a padding row is a sequence
 of no tokens in the dummy slot 0, and padding tokens, past the last sequence, write only their own
-outputs. Only for steps whose tokens are text: no image embeddings and one axis of positions (a
-vision-language model's text after its images, and decodes), no prompt logprobs; and for attention
-backends that plan from device tensors (`supports_prefill_graph`). Everything else runs eagerly.
+outputs.
+
+Vision-language models (`ImageInputs`): every graph takes 3-axis M-RoPE positions (a text token's
+three axes are equal, which rotates it exactly as one axis does) and the step's image embeddings laid
+over all T tokens (DenseImageEmbeds: a mask, the embeddings, the deepstack rows, zeros elsewhere), in
+buffers the graphs share; `stage` scatters the step's image rows into them on the device. So a prompt
+with images, a chunk that ends inside an image and text after images all replay graphs. Not for
+prompt logprobs, nor for attention backends that do not plan from device tensors
+(`supports_prefill_graph`): those steps run eagerly.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,20 +50,36 @@ from mllmd.engine.attention import AttentionBackend
 from mllmd.engine.cuda_graph import CudaStepGraph, StepGraph
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.model_forward import forward_hidden
+from mllmd.models.multimodal import DenseImageEmbeds, ImageEmbeds
 
 logger = logging.getLogger(__name__)
 
-# per-token rows of a graph's static inputs: input ids, request-table column, RoPE position (the column,
-# or column + the request's M-RoPE delta), KV slot, request row, fill flag (1: the token is the token
-# buffer's entry of its request row)
-IDS, COLUMNS, ROPE, LOCS, TOKEN_ROWS, FILL = range(6)
-NUM_TOKEN_FIELDS = 6
+# per-token rows of a graph's static inputs: input ids, request-table column, KV slot, request row, fill
+# flag (1: the token is the token buffer's entry of its request row), then the RoPE position (the
+# column, or column + the request's M-RoPE delta), one row per M-RoPE axis (t, h, w) where there are three
+IDS, COLUMNS, LOCS, TOKEN_ROWS, FILL, ROPE = range(6)
 # per-row rows: request row, sequence length after the step, extend length, logits row (a token index),
 # recurrent-state slot (hybrid models; padding rows: the state pool's dummy slot 0)
 ROWS, SEQ_LENS, EXTEND_LENS, LOGIT_ROWS, STATE = range(5)
 NUM_ROW_FIELDS = 5
 
 _TOKEN_BUCKETS = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """What a vision-language model's graphs take besides tokens: image embeddings of `hidden` columns
+    in `dtype`, with `deepstack` more tensors of them (Qwen3-VL's; 0 for Qwen3.5)."""
+
+    hidden: int
+    deepstack: int
+    dtype: torch.dtype
+
+
+def prefill_image_bytes(images: ImageInputs, max_tokens: int) -> int:
+    """Device memory of the image buffers the graphs of steps up to `max_tokens` tokens share."""
+    size = torch.empty((), dtype=images.dtype).element_size()
+    return max_tokens * (1 + (1 + images.deepstack) * images.hidden * size)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -83,11 +106,12 @@ class PrefillGraphRunner:
     def __init__(
         self, model: Any, backend: AttentionBackend, token_buf: torch.Tensor, max_tokens: int, max_rows: int,
         plan: Callable[[ForwardBatch], Any] | None = None, new_graph: Callable[[Any], StepGraph] | None = None,
-        state_slots: bool = False,
+        state_slots: bool = False, images: ImageInputs | None = None,
     ) -> None:  # fmt: skip
         """`token_buf` [R] int64: each request row's last sampled token (the engine's, on the device);
         `plan(batch)`: the step the model takes (default: the backend's attention step); `state_slots`:
-        batches carry each row's recurrent-state slot (hybrid models);
+        batches carry each row's recurrent-state slot (hybrid models); `images`: the model takes
+        image embeddings and 3-axis positions (vision-language models);
         `new_graph(pool)`: a StepGraph drawing on `pool` (default: CudaStepGraph on a side stream;
         tests inject one that reruns the step eagerly)."""
         self.model = model
@@ -100,10 +124,21 @@ class PrefillGraphRunner:
         self.row_sizes = row_buckets(max_rows)
         # (tokens, rows) with rows <= tokens: a row holds at least one token
         self.keys = [(t, r) for t in self.token_sizes for r in self.row_sizes if r <= t]
+        self.axes = 3 if images is not None else 1  # RoPE position rows
+        self.token_fields = ROPE + self.axes
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         for t, r in self.keys:
-            self.inputs[(t, r)] = torch.zeros(NUM_TOKEN_FIELDS * t + NUM_ROW_FIELDS * _padded(r), dtype=torch.int64,
+            self.inputs[(t, r)] = torch.zeros(self.token_fields * t + NUM_ROW_FIELDS * _padded(r), dtype=torch.int64,
                                               device=dev)
+        # image embeddings over the largest step's tokens, shared by the graphs (which replay one at a
+        # time); rows [0, image_dirty) may hold the last image step's mask and deepstack rows
+        self.images = images
+        self.image_dirty = 0
+        if images is not None:
+            t_max = self.token_sizes[-1]
+            self.image_mask = torch.zeros(t_max, dtype=torch.bool, device=dev)
+            self.image_embeds = torch.zeros((t_max, images.hidden), dtype=images.dtype, device=dev)
+            self.image_deepstack = [torch.zeros_like(self.image_embeds) for _ in range(images.deepstack)]
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.graphs: dict[tuple[int, int], StepGraph] = {}
         self.pool: Any = None
@@ -127,21 +162,25 @@ class PrefillGraphRunner:
                     self.token_sizes, self.row_sizes, self.capture_seconds)
 
     def _views(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A graph's static inputs as [NUM_TOKEN_FIELDS, T] and [NUM_ROW_FIELDS, R]."""
+        """A graph's static inputs as [token_fields, T] and [NUM_ROW_FIELDS, R]."""
         t, r = key
         flat = self.inputs[key]
-        split = NUM_TOKEN_FIELDS * t
+        split = self.token_fields * t
         rows = flat[split:].view(NUM_ROW_FIELDS, _padded(r))[:, :r]
-        return flat[:split].view(NUM_TOKEN_FIELDS, t), rows
+        return flat[:split].view(self.token_fields, t), rows
 
     def _batch(self, key: tuple[int, int], num_tokens: int, num_rows: int, num_logits: int) -> ForwardBatch:
         """The first tokens, rows and logits rows of a graph's static inputs, as a batch; the host
         lengths are the captured step's (one row of all T tokens) until `stage` sets the real ones."""
         t, r = key
         tok, rows = self._views(key)
+        images = None
+        if self.images is not None:
+            images = DenseImageEmbeds(self.image_mask[:num_tokens], self.image_embeds[:num_tokens],
+                                      [d[:num_tokens] for d in self.image_deepstack])  # fmt: skip
         return ForwardBatch(
             input_ids=tok[IDS, :num_tokens],
-            positions=tok[ROPE, :num_tokens],
+            positions=tok[ROPE, :num_tokens] if self.axes == 1 else tok[ROPE:, :num_tokens],
             out_cache_loc=tok[LOCS, :num_tokens],
             req_pool_indices=rows[ROWS, :num_rows],
             seq_lens=rows[SEQ_LENS, :num_rows],
@@ -151,6 +190,7 @@ class PrefillGraphRunner:
             prefix_lens_cpu=[0] * r,
             extend_lens_cpu=[t] + [0] * (r - 1),  # the attention grid covers T queries per row
             state_slots=rows[STATE, :num_rows] if self.with_state_slots else None,
+            images=images,
         )
 
     def _step(self, key: tuple[int, int]) -> torch.Tensor:
@@ -185,20 +225,26 @@ class PrefillGraphRunner:
         logits_rows: list[int],  # the tokens that sample, in sampling order (at most one per row)
         out_cache_loc: torch.Tensor,  # [N] int64 on the device
         state_slots: list[int] | None = None,  # per row (hybrid models)
+        axes: list[int] | None = None,  # M-RoPE [3, N] positions, flat, where they are not all `positions`
+        images: ImageEmbeds | None = None,  # the step's image rows (vision-language models)
     ) -> ForwardBatch | None:
         """Write the step into the inputs of the graph that runs it (None: no graph does). The batch's
         tensors are views of those inputs, valid until the next stage of the same bucket."""
         n, b = len(input_ids), len(req_pool_indices)
         key = self.key_for(n, b)
-        if key is None or len(logits_rows) > b:
+        if key is None or len(logits_rows) > b or ((axes is not None or images is not None) and self.images is None):
             return None
         t, r = key
         pad_t, pad_r = [0] * (t - n), [0] * (_padded(r) - b)
+        rope = positions * self.axes if axes is None else axes  # a text token: three equal axes
         host = [
-            *input_ids, *pad_t, *columns, *pad_t, *positions, *pad_t, *[0] * t, *token_rows, *pad_t, *fill, *pad_t,
+            *input_ids, *pad_t, *columns, *pad_t, *[0] * t, *token_rows, *pad_t, *fill, *pad_t,
+            *(x for a in range(self.axes) for x in (*rope[a * n : (a + 1) * n], *pad_t)),
             *req_pool_indices, *pad_r, *seq_lens, *pad_r, *extend_lens, *pad_r,
             *logits_rows, *[0] * (_padded(r) - len(logits_rows)), *(state_slots or [0] * b), *pad_r,
         ]  # fmt: skip
+        if self.images is not None:
+            self._stage_images(images, n)
         flat = self.inputs[key]
         if flat.is_cuda:
             flat.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True), non_blocking=True)
@@ -210,6 +256,24 @@ class PrefillGraphRunner:
         batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu = list(seq_lens), list(prefix_lens), list(extend_lens)
         batch.prefill_graph = key
         return batch
+
+    def _stage_images(self, images: ImageEmbeds | None, num_tokens: int) -> None:
+        """Scatter the step's image rows into the shared image buffers (device ops, in stream order
+        after the last replay), clearing the last image step's rows first."""
+        if self.image_dirty:
+            self.image_mask[: self.image_dirty].zero_()
+            for d in self.image_deepstack:
+                d[: self.image_dirty].zero_()
+            self.image_dirty = 0
+        if images is None:
+            return
+        if len(images.deepstack) != len(self.image_deepstack):
+            raise RuntimeError(f"{len(images.deepstack)} deepstack tensors for a graph of {len(self.image_deepstack)}")
+        self.image_mask.index_fill_(0, images.rows, True)
+        self.image_embeds.index_copy_(0, images.rows, images.embeds.to(self.image_embeds.dtype))
+        for buf, rows in zip(self.image_deepstack, images.deepstack):
+            buf.index_copy_(0, images.rows, rows.to(buf.dtype))
+        self.image_dirty = num_tokens
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [N, V] of a staged batch's sampling rows: the graph's replay, then the lm_head

@@ -4,7 +4,8 @@ M-RoPE positions.
 A prefill chunk may cover all, part (a chunk boundary inside an image) or none of an image's tokens;
 whatever it covers takes its rows of that image's encoder output. Outputs come from the encoder cache
 (keyed by image content) or from one tower call for every image of the step that is not cached: the
-uint8 pixels go up, are normalised and cut into patches on the device (`patchify`), then encoded.
+uint8 pixels go up, are normalised and cut into patches on the device (`patchify`), then encoded
+(replaying a CUDA graph when the same grids came before: `vision_graph`).
 """
 
 from __future__ import annotations
@@ -18,14 +19,17 @@ import torch
 from mllmd.engine.device_io import to_device
 from mllmd.engine.encoder_cache import EncoderCache, Entry
 from mllmd.engine.request import EngineImage, Req
+from mllmd.engine.vision_graph import VisionGraphs
 from mllmd.models.multimodal import ImageEmbeds
 from mllmd.multimodal.image_processing import VisionPreprocessConfig
 from mllmd.multimodal.patchify import patchify_images
 
 
 class VisionRunner:
-    def __init__(self, model: Any, preprocess: VisionPreprocessConfig, cache: EncoderCache, device: torch.device) -> None:
+    def __init__(self, model: Any, preprocess: VisionPreprocessConfig, cache: EncoderCache, device: torch.device,
+                 graphs: VisionGraphs | None = None) -> None:
         self.model = model
+        self.graphs = graphs  # CUDA graphs per repeated grid (None: every call eager)
         self.preprocess = preprocess
         self.cache = cache
         self.device = device
@@ -35,7 +39,8 @@ class VisionRunner:
         """The tower's outputs for `images` (distinct contents), split per image, in one tower call."""
         pixels = [_on_device(image.pixels, self.device) for image in images]
         values, grids = patchify_images(pixels, self.preprocess, dtype=self.model.visual.dtype)
-        embeds, deepstack = self.model.encode_images(values, grids)
+        replayed = self.graphs.run(values, grids) if self.graphs is not None else None
+        embeds, deepstack = replayed if replayed is not None else self.model.encode_images(values, grids)
         sizes = [image.num_tokens for image in images]
         if embeds.shape[0] != sum(sizes):
             raise RuntimeError(f"the vision tower gave {embeds.shape[0]} rows for {sum(sizes)} image tokens")
@@ -86,7 +91,7 @@ def mrope_step_positions(reqs: Sequence[Req], prefix_lens: Sequence[int], extend
     """[3, T] positions of a step, flattened row by row (T, H, W), when some row computes prompt tokens of
     a prompt with images whose axes are not all index + delta (an image, or text before an image); None
     when every token sits at its index + its request's delta on all three axes (text after the last
-    image, decodes: one row of positions serves, and the step may run as a CUDA graph)."""
+    image, decodes: one row of positions serves, and a decode step may run as a decode CUDA graph)."""
     if not any(r.mrope_positions is not None and p < r.mrope_positions.shape[1] for r, p in zip(reqs, prefix_lens)):
         return None  # no prompt token of a prompt with images (decodes, text prompts): nothing to read
     axes: list[list[int]] = [[], [], []]

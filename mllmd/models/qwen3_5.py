@@ -33,7 +33,7 @@ from mllmd.models.layers.dispatch import fused_kernels
 from mllmd.models.layers.gated_deltanet import GatedDeltaNet, HybridStep
 from mllmd.models.layers.norm import ZeroCentredRMSNorm
 from mllmd.models.mrope import MRotaryEmbedding
-from mllmd.models.multimodal import ImageEmbeds
+from mllmd.models.multimodal import StepImages
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 from mllmd.models.qwen3 import Qwen3ForCausalLM
 from mllmd.models.qwen3_vl_vision import VISUAL_PREFIX, Qwen3VLVisionModel
@@ -62,11 +62,11 @@ class Qwen3_5Attention(nn.Module):
         self.attn = RotaryAttention(self.num_heads, self.num_kv_heads, self.head_dim, kv_layer, dtype,
                                     self.q_norm, self.k_norm, rotary_dim)  # type: ignore[arg-type]
 
-    def forward(self, rope: RopeTable, x: torch.Tensor, step: AttentionStep) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, rope: RopeTable, x: Any, step: AttentionStep) -> torch.Tensor:
         q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = q_gate.shape[0]  # (x may be rows whose norm the projection applies: fusion.py)
         q, gate = q_gate.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # per head [query | gate]
-        if not fused_kernels(x):  # the torch route works on [T, Hq * D] copies (the kernels read the views)
+        if not fused_kernels(q_gate):  # the torch route works on [T, Hq * D] copies (the kernels read the views)
             q, gate = q.reshape(t, self.q_size), gate.reshape(t, self.q_size)
         out = self.attn(rope, q, k, v, step)  # QK-norm, partial M-RoPE, paged attention
         return self.o_proj(output_gate(out, gate))  # out * sigmoid(gate)
@@ -85,6 +85,11 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype, quant, f"{prefix}.mlp")
         self.input_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        # producer -> consumer: the data flow the fusion plan may fuse across (as Qwen3DecoderLayer's)
+        self.FUSABLE = {
+            "input_layernorm": "linear_attn.in_proj" if self.is_linear else "self_attn.qkv_proj",
+            "post_attention_layernorm": "mlp.gate_up_proj",
+        }
 
     def forward(
         self, rope: RopeTable, hidden: torch.Tensor, residual: torch.Tensor | None, step: HybridStep
@@ -115,11 +120,11 @@ class Qwen3_5TextModel(nn.Module):
         self.rotary_emb = MRotaryEmbedding.from_config(config, int(config.max_position_embeddings))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: HybridStep, images: ImageEmbeds | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: HybridStep, images: StepImages | None = None
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if images is not None:
-            hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
+            hidden = images.merge(hidden)  # the image tokens' rows: the vision tower's embeddings
         rope = self.rotary_emb.table(positions)  # once for every full-attention layer
         residual = None
         for layer in self.layers:
@@ -185,7 +190,7 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
         return self.model.visual
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: HybridStep, images: ImageEmbeds | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: HybridStep, images: StepImages | None = None
     ) -> torch.Tensor:
         return self.decoder(input_ids, positions, step, images)
 

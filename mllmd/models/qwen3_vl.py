@@ -17,7 +17,7 @@ from torch import nn
 
 from mllmd.models.layers import AttentionShape, AttentionStep, Linear, compute_logits
 from mllmd.models.mrope import MRotaryEmbedding
-from mllmd.models.multimodal import ImageEmbeds
+from mllmd.models.multimodal import StepImages
 from mllmd.models.quantization import QuantConfig, UnsupportedQuantization, get_linear_scheme
 from mllmd.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
 from mllmd.models.qwen3_vl_vision import VISUAL_PREFIX, Qwen3VLVisionModel
@@ -33,17 +33,17 @@ class Qwen3VLTextModel(Qwen3Model):
         self.rotary_emb = MRotaryEmbedding.from_config(config, int(config.max_position_embeddings))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, images: ImageEmbeds | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, images: StepImages | None = None
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         if images is not None:
-            hidden = hidden.index_copy(0, images.rows, images.embeds.to(hidden.dtype))
+            hidden = images.merge(hidden)  # the image tokens' rows: the vision tower's embeddings
         rope = self.rotary_emb.table(positions)  # once for every layer
         residual = None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(rope, hidden, residual, step)
             if images is not None and i < len(images.deepstack):
-                hidden = hidden.index_add(0, images.rows, images.deepstack[i].to(hidden.dtype))
+                hidden = images.add_deepstack(hidden, i)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -94,7 +94,7 @@ class Qwen3VLForConditionalGeneration(nn.Module):
         return self.model.visual(pixel_values.to(self.model.visual.dtype), grids)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, images: ImageEmbeds | None = None
+        self, input_ids: torch.Tensor, positions: torch.Tensor, step: AttentionStep, images: StepImages | None = None
     ) -> torch.Tensor:
         return self.model.language_model(input_ids, positions, step, images)
 

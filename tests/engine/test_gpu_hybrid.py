@@ -138,3 +138,51 @@ def test_qwen3_vl_images_on_cuda(tmp_path: Path) -> None:
     plain = prompt(11, 40)
     assert llm.generate([plain], GREEDY)[0].token_ids == hf_greedy(hf_vl, plain)
     assert llm.engine.is_idle_and_clean()
+
+
+def test_qwen3_vl_tower_graphs_replay_the_eager_tower(tmp_path: Path) -> None:
+    """A grid's second call captures a CUDA graph and later calls replay it: the outputs equal the eager
+    tower's bit for bit for new pixels each time, a graph's outputs survive another grid's replay in the
+    shared pool, a grid seen once or larger than a graph may hold runs eagerly, and at most MAX_GRAPHS
+    are kept."""
+    from mllmd.engine import vision_graph
+    from mllmd.multimodal.patchify import patchify_images
+
+    model = ck.build_tiny_checkpoint(tmp_path / "vl", "Qwen3-VL-2B-Instruct", seed=3,
+                                     extra_overrides={"vision_config": {"depth": 4, "deepstack_visual_indexes": [1, 2]}})  # fmt: skip
+    llm = _llm(model)
+    vision = llm.engine.runner.vision
+    assert vision is not None and vision.graphs is not None
+    graphs, visual = vision.graphs, llm.engine.runner.model.visual
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def pixels(h: int, w: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        img = torch.randint(0, 256, (h, w, 3), generator=gen, device="cuda", dtype=torch.uint8)
+        return patchify_images([img], vision.preprocess, dtype=visual.dtype)
+
+    def check(h: int, w: int, replayed: bool) -> None:
+        values, grids = pixels(h, w)
+        with torch.inference_mode():
+            want, want_deep = visual(values, grids)
+        got = graphs.run(values, grids)
+        assert (got is not None) == replayed
+        if got is not None:
+            assert torch.equal(got[0], want) and all(torch.equal(a, b) for a, b in zip(got[1], want_deep))
+            assert len(got[1]) == 2
+
+    check(64, 96, replayed=False)  # first sight: eager
+    check(64, 96, replayed=True)  # captured
+    check(64, 96, replayed=True)  # replayed with new pixels
+    check(32, 160, replayed=False)
+    check(32, 160, replayed=True)
+    check(64, 96, replayed=True)  # after the other grid's replays in the shared pool
+    assert graphs.captures == 2 and graphs.replays == 4
+    big = int(vision_graph.MAX_PATCHES**0.5) * 16 + 32  # more patches than a graph may hold
+    check(big, big, replayed=False)
+    check(big, big, replayed=False)
+    for w in (128, 192, 224, 256):
+        check(32, w, replayed=False)
+        check(32, w, replayed=True)
+    assert len(graphs.graphs) == vision_graph.MAX_GRAPHS
+    assert ((1, 4, 6),) not in graphs.graphs  # 64 x 96 pixels, the least recently used, went first
+    assert llm.engine.is_idle_and_clean()

@@ -53,7 +53,8 @@ def _llm(model: Path, graphs: bool) -> LLM:
     runner = llm.engine.runner
     if graphs:
         runner.prefill_graphs = PrefillGraphRunner(
-            runner.model, runner.attn_backend, runner.token_buf, 48, 6, runner._plan, new_graph=RerunGraph
+            runner.model, runner.attn_backend, runner.token_buf, 48, 6, runner._plan, new_graph=RerunGraph,
+            images=runner._graph_images(),
         )
     return llm
 
@@ -86,9 +87,9 @@ def test_prefill_graphs_match_eager_steps(qwen3_tied: Path) -> None:
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
 def test_vision_language_text_steps_run_in_prefill_graphs(tmp_path: Path) -> None:
-    """Qwen3-VL: a step with image tokens (or a prompt's 3-axis positions) runs eagerly; text after the
-    images runs in the graphs, at index + M-RoPE delta (a follow-up turn over a cached image, decodes
-    of an image request beside a text prompt's chunks): the same tokens as the eager run."""
+    """Qwen3-VL: text after the images runs in the graphs at index + M-RoPE delta (a follow-up turn over
+    a cached image, decodes of an image request beside a text prompt's chunks): the same tokens as the
+    eager run."""
     from mllmd.testing import checkpoints as ck
     from tests.multimodal.test_vl_engine import part, smooth, text
 
@@ -119,6 +120,46 @@ def test_vision_language_text_steps_run_in_prefill_graphs(tmp_path: Path) -> Non
         runs[graphs] = [o.token_ids for o in outs]
     assert runs[True] == runs[False]
     assert any(shifted) and len(shifted) >= 3, shifted
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+def test_vision_language_image_steps_run_in_prefill_graphs(tmp_path: Path) -> None:
+    """Qwen3-VL with deepstack: steps with image tokens replay the graphs with the image rows and 3-axis
+    positions staged (an image first and one in the middle, of different sizes; chunks of 20 that end
+    inside an image; two such requests in one step; then a text-only request, whose step must not see
+    the last image step's rows): the same tokens as the eager run. Fails when the deepstack rows or the
+    3-axis positions are not staged, or stale image rows are left in the buffers."""
+    from mllmd.testing import checkpoints as ck
+    from tests.multimodal.test_vl_engine import part, smooth, text
+
+    model = ck.build_tiny_checkpoint(tmp_path / "vl", "Qwen3-VL-2B-Instruct", seed=5,
+                                     extra_overrides={"vision_config": {"depth": 2, "deepstack_visual_indexes": [0, 1]}})
+    convs = [
+        [{"role": "user", "content": [part(smooth(160, 96, 1)), text("Describe it.")]}],
+        [{"role": "user", "content": [text("Compare"), part(smooth(96, 128, 2)), text("with this"),
+                                      part(smooth(64, 64, 3)), text("in one line.")]}],
+    ]  # fmt: skip
+    plain = [{"role": "user", "content": [text("Name three planets and one moon of each, briefly.")]}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    runs, staged = {}, []
+    for graphs in (False, True):
+        llm = _llm(model, graphs)
+        pg = llm.engine.runner.prefill_graphs
+        if pg is not None:
+            assert pg.axes == 3 and len(pg.image_deepstack) == 2
+            real_stage = pg.stage
+
+            def stage(*args: Any, real: Any = real_stage) -> Any:
+                batch = real(*args)
+                if batch is not None:  # (staged with images, with 3-axis positions)
+                    staged.append((args[-1] is not None, args[-2] is not None))
+                return batch
+
+            pg.stage = stage  # type: ignore[method-assign]
+        outs = llm.chat(convs, params) + llm.chat([plain], params)
+        runs[graphs] = [o.token_ids for o in outs]
+    assert runs[True] == runs[False]
+    assert sum(img for img, _ in staged) >= 3 and sum(ax for _, ax in staged) >= 3, staged
 
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
