@@ -50,7 +50,7 @@ class EngineConfig:
     prefill_wait_ms: float = _f(
         "scheduler", 0.0,
         "while requests decode, a new prompt may wait this long for others to share its prefill step (a step "
-        "with a prefill runs without CUDA graphs and slows every running request); it never waits once the "
+        "with a prefill takes longer than a decode step and slows every running request); it never waits once the "
         "waiting prompts fill a prefill chunk or the free request slots; 0: admit at once (on the H200, 20 ms "
         "gained nothing measurable with 64 streams)",
     )
