@@ -46,11 +46,12 @@ class VisionGraphs:
 
     def __init__(self, visual: Any) -> None:
         self.visual = visual
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool: Any = None  # the graphs' shared memory pool, made at the first capture
         self.graphs: OrderedDict[Grids, _TowerGraph] = OrderedDict()
         self.seen: OrderedDict[Grids, None] = OrderedDict()
         self.replays = 0
         self.captures = 0
+        self.failed = False  # a capture raised once: no more tries
 
     def run(self, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         """The tower's outputs for these pixels through a graph, or None: run it eagerly (a grid seen for
@@ -61,9 +62,14 @@ class VisionGraphs:
     def _run(self, pixels: torch.Tensor, key: Grids) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
         entry = self.graphs.get(key)
         if entry is None:
-            if pixels.shape[0] > MAX_PATCHES or not self._seen_before(key):
+            if self.failed or pixels.shape[0] > MAX_PATCHES or not self._seen_before(key):
                 return None
-            entry = self._capture(key, pixels)
+            try:
+                entry = self._capture(key, pixels)
+            except RuntimeError:  # an op this torch cannot capture: the tower stays eager, requests go on
+                logger.exception("vision tower: CUDA graph capture failed; the tower runs eagerly from now on")
+                self.failed = True
+                return None
         self.graphs.move_to_end(key)
         entry.pixels.copy_(pixels)
         entry.graph.replay()
@@ -82,6 +88,8 @@ class VisionGraphs:
         """The grid's first eager call already compiled and planned every kernel at these shapes."""
         while len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         inputs = self.visual.prepare(list(key), pixels.device)
         static = pixels.clone()
         graph = torch.cuda.CUDAGraph()
