@@ -27,10 +27,10 @@ DISABLE_FUSED_KERNELS = _flag("MLLMD_DISABLE_FUSED_KERNELS", False)
 # gate/up projections and the SiLU-and-mul after gate/up in launches of their own, for A/B comparisons.
 W4A16_FUSIONS = _flag("MLLMD_W4A16_FUSIONS", True)
 
-# MLLMD_GEMV_FUSIONS=0 (default 1): at batch-1 decode the dense projections' one-row GEMV no longer
-# applies the RMSNorm, SiLU-and-mul or gated RMSNorm before it (mllmd_kernels.gemv_fused); those run
-# in launches of their own, for A/B comparisons.
-GEMV_FUSIONS = _flag("MLLMD_GEMV_FUSIONS", True)
+# MLLMD_GEMV_FUSIONS=1 (default 0): at batch-1 decode the dense projections' one-row GEMV applies the
+# RMSNorm, SiLU-and-mul or gated RMSNorm before it (mllmd_kernels.gemv_fused) instead of running them
+# in launches of their own. Off by default: it measured slower on the H200 (NOTES.md, gemv_fused).
+GEMV_FUSIONS = _flag("MLLMD_GEMV_FUSIONS", False)
 
 
 def step_trace_path() -> str | None:

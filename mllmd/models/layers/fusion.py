@@ -16,7 +16,8 @@ lives here, read from the kernels the quantized layers chose for their device:
 * Dense (bf16 / fp16) projections, one row (batch-1 decode): the one-row GEMV applies the op before
   it as it loads its input (mllmd_kernels.gemv_fused): the RMSNorm or zero-centred RMSNorm (with the
   residual add) before qkv / the DeltaNet in_proj / gate/up, SiLU-and-mul before down, the DeltaNet's
-  gated RMSNorm before its out_proj; off with MLLMD_GEMV_FUSIONS=0.
+  gated RMSNorm before its out_proj; only with MLLMD_GEMV_FUSIONS=1 (it measured slower than the
+  separate launches on the H200, so it is off by default).
 
 Model files know none of this: they call their layers on plain tensors.
 """
