@@ -111,9 +111,10 @@ def render_status(s: dict[str, Any]) -> str:
     else:
         lines.append("model:    none")
     load = s.get("load") or {}
-    if load.get("in_progress") or load.get("error"):
-        lines.append(f"loading:  {load.get('path')} {100 * (load.get('progress') or 0):.0f}% {load.get('stage') or ''}"
-                     + (f"  error: {load['error']}" if load.get("error") else ""))
+    if load.get("in_progress"):
+        lines.append(f"loading:  {load.get('path')} {100 * (load.get('progress') or 0):.0f}% {load.get('stage') or ''}")
+    elif load.get("error"):
+        lines.append(f"last load failed: {load['error']}")
     req = s.get("requests") or {}
     lines.append(f"requests: {req.get('running', 0)} running, {req.get('waiting', 0)} waiting")
     kv = s.get("kv_cache") or {}
@@ -134,13 +135,15 @@ def render_models(r: dict[str, Any]) -> str:
     rows = r.get("models") or []
     if not rows:
         return f"no models found under {', '.join(r.get('models_dirs') or [])}"
-    out = [f"{'NAME':<32} {'ARCHITECTURE':<28} {'PARAMS':>10} {'DTYPE':<10} {'QUANT':<8} {'SIZE':>10}"]
+    cells = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "QUANT", "SIZE")]
     for m in rows:
         params = m.get("parameters")
-        out.append(f"{m['name']:<32} {m.get('architecture') or '?':<28} "
-                   f"{(f'{params / 1e9:.2f}B' if params else '?'):>10} {m.get('dtype') or '?':<10} "
-                   f"{m.get('quantization') or '-':<8} {_fmt_bytes(m.get('size_bytes')):>10}")
-    return "\n".join(out)
+        cells.append((str(m["name"]), str(m.get("architecture") or "?"), f"{params / 1e9:.2f}B" if params else "?",
+                      str(m.get("dtype") or "?"), str(m.get("quantization") or "-"), _fmt_bytes(m.get("size_bytes"))))
+    widths = [max(len(row[i]) for row in cells) for i in range(6)]
+    right = (False, False, True, False, False, True)  # numbers right-aligned
+    return "\n".join("  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)).rstrip()
+                     for row in cells)
 
 
 def _progress(client: Client, timeout: float) -> dict[str, Any]:

@@ -24,6 +24,10 @@ MAX_NAME_BYTES = 255  # NAME_MAX: one path component
 # A usable tokenizer: the fast tokenizer's file, or a BPE vocabulary with its merges, or SentencePiece.
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.json", "merges.txt"), ("tokenizer.model",))
 
+# The safetensors header's dtype names as torch names, for a config.json that gives no dtype.
+_TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 MIN_KV_TOKENS = 2048
@@ -141,7 +145,8 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
         kv_per_token = 2 * kv_layers * text["num_key_value_heads"] * head_dim * 2
     except (KeyError, TypeError, ZeroDivisionError):
         pass
-    dtype = config.get("torch_dtype") or config.get("dtype") or (max(dtypes, key=dtypes.__getitem__).lower() if dtypes else None)
+    dtype = (config.get("torch_dtype") or config.get("dtype") or text.get("torch_dtype") or text.get("dtype")
+             or (_TORCH_DTYPE_NAMES.get(max(dtypes, key=dtypes.__getitem__)) if dtypes else None))
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token,
                       isinstance(config.get("vision_config"), dict))

@@ -160,7 +160,7 @@ def tiny_config(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     if "max_window_layers" in text:
         text["max_window_layers"] = layers
     if "layer_types" in text:
-        text["layer_types"] = _tile(text["layer_types"], layers)
+        text["layer_types"] = _hybrid_layer_types(text["layer_types"], layers)
     _shrink_linear_attention(text, params)
     for rope_key in ("rope_scaling", "rope_parameters"):
         if isinstance(text.get(rope_key), dict):
@@ -174,9 +174,16 @@ def tiny_config(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _tile(pattern: list[Any], n: int) -> list[Any]:
-    """Repeat a per-layer pattern (e.g. Qwen3.5's 3 linear + 1 full attention) over `n` layers."""
-    return [pattern[i % len(pattern)] for i in range(n)]
+def _hybrid_layer_types(pattern: list[Any], n: int) -> list[Any]:
+    """Repeat a per-layer pattern (e.g. Qwen3.5's 3 linear + 1 full attention) over `n` layers.
+
+    Fewer layers than the pattern's period would drop every full-attention layer (2 of Qwen3.5's
+    "linear, linear, linear, full"), a model no engine pages KV for: the last layer then takes the
+    pattern's full attention, so every kind of the source is still built."""
+    types = [pattern[i % len(pattern)] for i in range(n)]
+    if n and "full_attention" in pattern and "full_attention" not in types:
+        types[-1] = "full_attention"
+    return types
 
 
 def _shrink_linear_attention(text: dict[str, Any], params: dict[str, Any]) -> None:

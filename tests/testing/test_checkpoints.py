@@ -277,3 +277,21 @@ def test_qwen3_vl_checkpoint(tmp_path: Path) -> None:
     with torch.no_grad():
         logits = model(torch.tensor([PROMPTS[0]])).logits[0, -1]
     assert logits.shape == (151936,) and logits.std() > 4
+
+
+@pytest.mark.parametrize(("layers", "expected"), [
+    (1, ["full_attention"]),
+    (2, ["linear_attention", "full_attention"]),
+    (4, ["linear_attention"] * 3 + ["full_attention"]),
+    (5, ["linear_attention"] * 3 + ["full_attention", "linear_attention"]),
+])
+def test_fewer_hybrid_layers_than_the_pattern_keep_a_full_attention_layer(
+    layers: int, expected: list[str]
+) -> None:
+    """Qwen3.5's pattern is 3 linear + 1 full: a 2-layer build (the CLI default) once had no full
+    attention layer, a checkpoint the engine refuses to load."""
+    raw = json.loads((ck.find_model_source("Qwen3.5-0.8B") / "config.json").read_text())
+    params = {"num_hidden_layers": layers, "hidden_size": 64, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "tie_word_embeddings": None, "dtype": "float32", "extra_overrides": {}}
+    assert ck.tiny_config(raw, params)["text_config"]["layer_types"] == expected
