@@ -391,7 +391,7 @@ def decode_image(data: bytes, limits: ImageLimits, *, where: str = "image: ") ->
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # our own limit decides
             image = Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS)
     except Image.DecompressionBombError as exc:
-        raise ImageError(f"{where}{exc} ({RULE_PIXELS}={limits.max_pixels})", RULE_PIXELS) from None
+        raise _bomb_error(exc, where, limits) from None
     except UnidentifiedImageError:
         raise ImageError(
             f"{where}not an image in a supported format ({', '.join(ALLOWED_FORMATS)}) ({RULE_FORMAT})",
@@ -418,11 +418,19 @@ def decode_image(data: bytes, limits: ImageLimits, *, where: str = "image: ") ->
         image = _upright(image)
         return to_rgb(image)
     except Image.DecompressionBombError as exc:
-        raise ImageError(f"{where}{exc} ({RULE_PIXELS}={limits.max_pixels})", RULE_PIXELS) from None
+        raise _bomb_error(exc, where, limits) from None
     except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as exc:
         raise ImageError(
             f"{where}the image data is truncated or corrupt: {exc} ({RULE_DECODE})", RULE_DECODE
         ) from None
+
+
+def _bomb_error(exc: Exception, where: str, limits: ImageLimits) -> ImageError:
+    """Pillow's own guard fired (at twice its MAX_IMAGE_PIXELS, before our header check could run):
+    say it in our limit's words, not Pillow's (whose limit is not the one the user can set)."""
+    found = re.search(r"\((\d+) pixels\)", str(exc))
+    size = f"{int(found.group(1))} pixels" if found else "the image's size"
+    return ImageError(f"{where}{size} exceeds {RULE_PIXELS}={limits.max_pixels}", RULE_PIXELS)
 
 
 def _upright(image: PILImage.Image) -> PILImage.Image:
