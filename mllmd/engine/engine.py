@@ -109,9 +109,10 @@ class Engine:
         except ValueError as e:
             raise AdmissionError(str(e), getattr(e, "param", None)) from None
         if not prompt_ids:
-            raise AdmissionError("the prompt is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= info.vocab_size for t in prompt_ids):
-            raise AdmissionError(f"prompt token ids must be integers in [0, {info.vocab_size})")
+            raise AdmissionError("the prompt is empty", "prompt")
+        bad = [t for t in prompt_ids if (not isinstance(t, int)) or t < 0 or t >= info.vocab_size][:1]
+        if bad:
+            raise AdmissionError(f"prompt token ids must be integers in [0, {info.vocab_size}) (got {bad[0]!r})", "prompt")
         total = len(prompt_ids) + params.max_tokens
         if total > info.context_length:
             raise AdmissionError(

@@ -201,7 +201,7 @@ def test_values_known_only_to_the_workers_are_400(h: Any, stream: bool) -> None:
     streaming: an error known before the first token is never a 200 followed by an SSE error."""
     cases = [
         (CHAT, {"messages": MSG, "max_tokens": 10**9}, ["1000000000", str(CONTEXT)], "*"),
-        (COMPL, {"prompt": [10**9]}, [], "*"),  # a token id outside the vocabulary
+        (COMPL, {"prompt": [10**9]}, ["1000000000"], "prompt"),  # a token id outside the vocabulary
         (COMPL, {"prompt": "hi", "logit_bias": {str(10**8): 5}}, [], "logit_bias"),
         (COMPL, {"prompt": [1, 2], "logit_bias": {str(10**8): 5}}, [], "logit_bias"),  # ids: no tokenizer hop
         (CHAT, {"messages": MSG, "stop_token_ids": [10**8]}, [], "stop_token_ids"),
