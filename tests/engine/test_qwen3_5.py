@@ -157,6 +157,12 @@ def test_image_prompt(model: Path, hf: Any) -> None:
 def test_a_config_without_full_attention_is_refused_by_name(tmp_path: Path) -> None:
     from mllmd import LLM
 
-    only_linear = ck.build_tiny_checkpoint(tmp_path / "linear", "Qwen3.5-0.8B", num_hidden_layers=2, head_dim=32)
+    only_linear = ck.build_tiny_checkpoint(
+        tmp_path / "linear",
+        "Qwen3.5-0.8B",
+        num_hidden_layers=2,
+        head_dim=32,
+        extra_overrides={"text_config": {"layer_types": ["linear_attention", "linear_attention"]}},
+    )
     with pytest.raises(ValueError, match="no full_attention layer"):
         LLM(str(only_linear), device="cpu", dtype="float32", max_total_tokens=64)
