@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mllmd import knobs
+from mllmd.demo_weights import LINEAR_GAIN, NORM_NOISE, save_random_qwen3_weights
 from mllmd.testing.tokenizer import DATA_DIR, build_qwen_tokenizer
 
 if TYPE_CHECKING:
@@ -51,8 +52,6 @@ if TYPE_CHECKING:
 
 MARKER_NAME = "MLLMD_TEST_CHECKPOINT.json"
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `mllmd` package
-LINEAR_GAIN = 1.5
-NORM_NOISE = 0.1
 # Extra files copied verbatim from the source folder when present.
 COPIED_FILES = ("generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 TINY_VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4}
@@ -136,8 +135,11 @@ def build_tiny_checkpoint(
     config_dict = tiny_config(raw, params)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = build_random_model(config_dict, seed=seed, dtype=dtype)
-    _save_weights(model, out, max_shard_size)
+    if _hf_model_classes_available() or config_dict.get("model_type") != "qwen3" or max_shard_size is not None:
+        model = build_random_model(config_dict, seed=seed, dtype=dtype)
+        _save_weights(model, out, max_shard_size)
+    else:  # torch below 2.6 under transformers 5 (Jetson): the same tensors, drawn with torch alone
+        save_random_qwen3_weights(config_dict, out, seed=seed, dtype=dtype)
     _write_json(out / "config.json", config_dict)
     _copy_source_files(src, out)
     _build_tokenizer(src, raw, out)
@@ -235,6 +237,13 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
             _deep_merge(base[key], value)
         else:
             base[key] = copy.deepcopy(value)
+
+
+def _hf_model_classes_available() -> bool:
+    """False where transformers serves configs and tokenizers only (transformers 5 below torch 2.6)."""
+    from transformers.utils import is_torch_available
+
+    return bool(is_torch_available())
 
 
 def build_random_model(config_dict: dict[str, Any], *, seed: int, dtype: str = "float32") -> Any:

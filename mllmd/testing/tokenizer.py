@@ -143,7 +143,14 @@ def convert_tiktoken(vocab: TokenizerVocab, added: list[tuple[int, dict[str, Any
             return load_tiktoken_ranks(Path(tiktoken_url))
 
     spec = VOCABS[vocab]
-    tok = _Converter(vocab_file=str(tiktoken_path(vocab)), pattern=spec.pattern).converted()
+    # Special tokens are added below, by id; the empty lists keep the converter from adding any itself
+    # (transformers 5 names the argument extra_special_tokens, 4.x additional_special_tokens).
+    tok = _Converter(
+        vocab_file=str(tiktoken_path(vocab)),
+        pattern=spec.pattern,
+        extra_special_tokens=[],
+        additional_special_tokens=[],
+    ).converted()
     # Match the published Qwen tokenizer.json (and what Qwen2Tokenizer rebuilds at load time).
     tok.model.ignore_merges = False
     tok.normalizer = normalizers.NFC()

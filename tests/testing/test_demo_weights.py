@@ -1,0 +1,62 @@
+"""The torch-only Qwen3 weights (the demo's, where transformers has no model classes) are the very
+tensors the transformers-built test checkpoint holds, and a demo built that way serves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mllmd import LLM, SamplingParams
+from mllmd.demo import DEMO_SHAPE, ensure_demo_model
+from mllmd.demo_weights import qwen3_weight_layout, random_qwen3_weights
+from mllmd.testing import checkpoints as ck
+
+
+@pytest.mark.parametrize(("tied", "dtype"), [(True, "float32"), (False, "float32"), (True, "bfloat16")])
+def test_torch_only_weights_are_the_transformers_builds(tmp_path: Path, tied: bool, dtype: str) -> None:
+    out = ck.build_tiny_checkpoint(tmp_path, "Qwen3-0.6B", num_hidden_layers=3, tie_word_embeddings=tied,
+                                   dtype=dtype, seed=7)
+    built = load_file(str(out / "model.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    drawn = random_qwen3_weights(config, seed=7, dtype=dtype)
+    assert sorted(drawn) == sorted(built)
+    for name, tensor in built.items():
+        assert drawn[name].dtype == tensor.dtype and torch.equal(drawn[name], tensor), name
+    assert ("lm_head.weight" in drawn) is not tied
+
+
+def test_a_different_seed_draws_different_weights() -> None:
+    config = json.loads((ck.find_model_source("Qwen3-0.6B") / "config.json").read_text())
+    config.update(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16)
+    a, b = random_qwen3_weights(config, seed=0), random_qwen3_weights(config, seed=1)
+    assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], b["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_other_architectures_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="'qwen3_5'"):
+        qwen3_weight_layout({"model_type": "qwen3_5"})
+    with pytest.raises(ValueError, match="attention_bias"):
+        qwen3_weight_layout({"model_type": "qwen3", "attention_bias": True})
+
+
+def test_the_demo_builds_and_serves_without_transformers_model_classes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = ensure_demo_model(tmp_path / "with")
+
+    def no_model_classes(*args: object, **kwargs: object) -> None:
+        raise AssertionError("transformers' model classes were used")
+
+    monkeypatch.setattr(ck, "_hf_model_classes_available", lambda: False)
+    monkeypatch.setattr(ck, "build_random_model", no_model_classes)
+    demo = ensure_demo_model(tmp_path / "without")
+    assert (demo / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    assert DEMO_SHAPE["dtype"] == "bfloat16"
+    llm = LLM(str(demo), device="cpu", max_total_tokens=128)
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
