@@ -33,7 +33,7 @@ from mllmd.engine.state_pool import StatePool, StateStep
 from mllmd.engine.vision_graph import VisionGraphs
 from mllmd.engine.vision_graph import reserved_bytes as vision_graph_bytes
 from mllmd.engine.vision_runner import VisionRunner, mrope_step_positions
-from mllmd.models import get_model_class
+from mllmd.models import get_model_class, load_hf_config
 from mllmd.models.layers import plan_fusions
 from mllmd.models.layers.gated_deltanet import HybridStep
 from mllmd.models.loader import iter_weights
@@ -118,13 +118,11 @@ def _mem_available_bytes() -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        from transformers import AutoConfig
-
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cpu" and config.cpu_threads:
             torch.set_num_threads(config.cpu_threads)
-        hf_config = AutoConfig.from_pretrained(config.model_path)
+        hf_config = load_hf_config(config.model_path)
         dtype = resolve_dtype(config.dtype, hf_config, self.device)
         model_cls = get_model_class(getattr(hf_config, "architectures", None))
         quant_config = parse_quant_config(hf_config)  # None, or UnsupportedQuantization naming the scheme

@@ -36,6 +36,7 @@ from mllmd.messages import (
     encode,
     request_id_of,
 )
+from mllmd.models import load_hf_config
 from mllmd.multimodal.chat import VisionPrompt, image_parts
 from mllmd.multimodal.image_io import ImageError
 from mllmd.multimodal.transport import TransportFull
@@ -156,7 +157,7 @@ def check_tokenizer(tokenizer: Any, path: str) -> None:
 
 
 def run(wctx: WorkerContext) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     path = wctx.settings["tokenizer_path"]
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -166,7 +167,7 @@ def run(wctx: WorkerContext) -> None:
         with open(wctx.settings["chat_template"], encoding="utf-8") as f:
             chat_template = f.read()
     engine = wctx.settings["engine"]
-    hf_config = AutoConfig.from_pretrained(engine["model_path"]).get_text_config()
+    hf_config = load_hf_config(engine["model_path"]).get_text_config()
     context_length = engine.get("context_length") or int(hf_config.max_position_embeddings)
     vision = None
     if takes_images(engine["model_path"]):
