@@ -13,8 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from mllmd.checkpoint.folder import MARKER_NAME, write_checkpoint_folder
+from mllmd.checkpoint.random_weights import init_summary, save_random_qwen3_weights
 from mllmd.knobs import cache_dir as default_cache_dir
-from mllmd.testing.checkpoints import MARKER_NAME, build_tiny_checkpoint
 
 DEMO_MODEL_NAME = "mllmd-demo-random-weights"
 DEMO_SOURCE = "Qwen3-0.6B"
@@ -56,12 +57,30 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     base.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}.", dir=base))
     try:
-        build_tiny_checkpoint(staging, DEMO_SOURCE, **DEMO_SHAPE)
+        _build_demo(staging)
         (staging / "README.md").write_text(README, encoding="utf-8")
         _move_into_place(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _build_demo(out: Path) -> None:
+    """The demo's folder: Qwen3-0.6B's config at DEMO_SHAPE, weights drawn with torch alone (they are
+    the bytes `mllmd.testing.checkpoints.build_tiny_checkpoint` writes for the same shape)."""
+    params: dict[str, Any] = {
+        "source": DEMO_SOURCE,
+        "tie_word_embeddings": None,
+        "max_shard_size": None,
+        "extra_overrides": {},
+        **DEMO_SHAPE,
+    }
+
+    def write_weights(config: dict[str, Any], folder: Path) -> None:
+        save_random_qwen3_weights(config, folder, seed=DEMO_SHAPE["seed"], dtype=DEMO_SHAPE["dtype"])
+
+    marker = {"weights": "random", "builder": "mllmd.demo", "init": init_summary()}
+    write_checkpoint_folder(out, params, write_weights, marker)
 
 
 def is_current_demo(path: Path) -> bool:

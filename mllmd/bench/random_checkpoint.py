@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mllmd.checkpoint import folder
 from mllmd.testing import checkpoints as ck
 
 SHARD_BYTES = 4 << 30
@@ -98,11 +99,11 @@ def build_random_checkpoint(
         for k, t in tensors.items():
             weight_map[k] = fname
             size += t.numel() * t.element_size()
-    ck._write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": size}, "weight_map": weight_map})
-    ck._write_json(out / "config.json", config)
-    ck._copy_source_files(src, out)
-    ck._build_tokenizer(src, raw, out)
-    ck._write_json(
+    folder.write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": size}, "weight_map": weight_map})
+    folder.write_json(out / "config.json", config)
+    folder.copy_source_files(src, out)
+    folder.build_tokenizer(src, raw, out)
+    folder.write_json(
         out / ck.MARKER_NAME,
         {"weights": "random", "builder": "mllmd.bench.random_checkpoint", "params": {"source": str(source), "seed": seed, "linear_gain": linear_gain}},
     )

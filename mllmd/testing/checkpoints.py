@@ -33,33 +33,24 @@ Run as a module to build one from the shell:
 from __future__ import annotations
 
 import argparse
-import copy
 import inspect
-import json
 import math
 import os
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mllmd import knobs
-from mllmd.demo_weights import LINEAR_GAIN, NORM_NOISE, save_random_qwen3_weights
-from mllmd.testing.tokenizer import DATA_DIR, build_qwen_tokenizer
+from mllmd.checkpoint.folder import (  # noqa: F401  (re-exported: the tests' one entry point)
+    MARKER_NAME,
+    find_model_source,
+    shared_models_dir,
+    tiny_config,
+    write_checkpoint_folder,
+)
+from mllmd.checkpoint.random_weights import LINEAR_GAIN, NORM_NOISE, init_summary
 
 if TYPE_CHECKING:
     import torch
-
-MARKER_NAME = "MLLMD_TEST_CHECKPOINT.json"
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the folder holding the `mllmd` package
-# Extra files copied verbatim from the source folder when present.
-COPIED_FILES = ("generation_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
-TINY_VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4}
-
-
-def shared_models_dir() -> Path:
-    """The real model configs: `$MLLMD_SHARED_MODELS`, else `<repo root>/../shared/models`."""
-    return knobs.shared_models_dir() or PACKAGE_ROOT.parent / "shared" / "models"
 
 
 def hf_model_class(config_dict: dict[str, Any]) -> Any:
@@ -69,25 +60,6 @@ def hf_model_class(config_dict: dict[str, Any]) -> Any:
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     return AutoModelForImageTextToText if "vision_config" in config_dict else AutoModelForCausalLM
-
-
-def find_model_source(source: str | os.PathLike[str]) -> Path:
-    """Folder of the real config files for `source` (a folder path, or a model name).
-
-    A name is looked up in `$MLLMD_SHARED_MODELS` when set, then in the copies vendored in
-    `mllmd/testing/data/` (every model of shared/models), then in `../shared/models`.
-    """
-    path = Path(source)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    candidates = [DATA_DIR / str(source), shared_models_dir() / str(source)]
-    if knobs.shared_models_dir() is not None:
-        candidates.reverse()
-    for candidate in candidates:
-        if (candidate / "config.json").is_file():
-            return candidate
-    looked = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(f"no config.json for model source {str(source)!r} (looked in {looked})")
 
 
 def build_tiny_checkpoint(
@@ -130,120 +102,11 @@ def build_tiny_checkpoint(
         "max_shard_size": max_shard_size,
         "extra_overrides": extra_overrides or {},
     }
-    src = find_model_source(source)
-    raw = json.loads((src / "config.json").read_text(encoding="utf-8"))
-    config_dict = tiny_config(raw, params)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if _hf_model_classes_available() or config_dict.get("model_type") != "qwen3" or max_shard_size is not None:
-        model = build_random_model(config_dict, seed=seed, dtype=dtype)
-        _save_weights(model, out, max_shard_size)
-    else:  # torch below 2.6 under transformers 5 (Jetson): the same tensors, drawn with torch alone
-        save_random_qwen3_weights(config_dict, out, seed=seed, dtype=dtype)
-    _write_json(out / "config.json", config_dict)
-    _copy_source_files(src, out)
-    _build_tokenizer(src, raw, out)
-    marker = {"weights": "random", "builder": "mllmd.testing.checkpoints", "init": _init_summary()}
-    _write_json(out / MARKER_NAME, {**marker, "params": params})
-    return out
+    def write_weights(config: dict[str, Any], out: Path) -> None:
+        _save_weights(build_random_model(config, seed=seed, dtype=dtype), out, max_shard_size)
 
-
-def tiny_config(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The source's config.json dict with the shape overrides of `params` applied (a new dict)."""
-    config = copy.deepcopy(raw)
-    if "quantization_config" in config:
-        raise ValueError("random weights cannot fill a quantized checkpoint; build from the base model")
-    text = config.get("text_config", config)
-    layers = params["num_hidden_layers"]
-    for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads"):
-        text[key] = params[key]
-    text["num_key_value_heads"] = params["num_key_value_heads"]
-    text["head_dim"] = params["head_dim"]
-    if "max_window_layers" in text:
-        text["max_window_layers"] = layers
-    if "layer_types" in text:
-        text["layer_types"] = _hybrid_layer_types(text["layer_types"], layers)
-    _shrink_linear_attention(text, params)
-    for rope_key in ("rope_scaling", "rope_parameters"):
-        if isinstance(text.get(rope_key), dict):
-            _scale_mrope(text[rope_key], params["head_dim"])
-    if isinstance(config.get("vision_config"), dict):
-        _shrink_vision(config["vision_config"], params["hidden_size"])
-    if params["tie_word_embeddings"] is not None:
-        config["tie_word_embeddings"] = text["tie_word_embeddings"] = params["tie_word_embeddings"]
-    _set_dtype(config, text, params["dtype"])
-    _deep_merge(config, params["extra_overrides"])
-    return config
-
-
-def _hybrid_layer_types(pattern: list[Any], n: int) -> list[Any]:
-    """Repeat a per-layer pattern (e.g. Qwen3.5's 3 linear + 1 full attention) over `n` layers.
-
-    Fewer layers than the pattern's period would drop every full-attention layer (2 of Qwen3.5's
-    "linear, linear, linear, full"), a model no engine pages KV for: the last layer then takes the
-    pattern's full attention, so every kind of the source is still built."""
-    types = [pattern[i % len(pattern)] for i in range(n)]
-    if n and "full_attention" in pattern and "full_attention" not in types:
-        types[-1] = "full_attention"
-    return types
-
-
-def _shrink_linear_attention(text: dict[str, Any], params: dict[str, Any]) -> None:
-    """Qwen3.5 Gated DeltaNet layers: key heads = KV heads, value heads = query heads, dim = head_dim."""
-    if "linear_num_key_heads" not in text:
-        return
-    text["linear_num_key_heads"] = params["num_key_value_heads"]
-    text["linear_num_value_heads"] = params["num_attention_heads"]
-    text["linear_key_head_dim"] = params["head_dim"]
-    text["linear_value_head_dim"] = params["head_dim"]
-
-
-def _scale_mrope(rope: dict[str, Any], head_dim: int) -> None:
-    """Rescale an M-RoPE `mrope_section` so that it still sums to half the rotary dimension."""
-    sections = rope.get("mrope_section")
-    if not sections:
-        return
-    half = int(head_dim * rope.get("partial_rotary_factor", 1.0)) // 2
-    exact = [s * half / sum(sections) for s in sections]
-    scaled = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(exact)), key=lambda i: scaled[i] - exact[i])
-    for i in by_remainder[: half - sum(scaled)]:
-        scaled[i] += 1
-    rope["mrope_section"] = scaled
-
-
-def _shrink_vision(vision: dict[str, Any], text_hidden: int) -> None:
-    vision.update(TINY_VISION)
-    vision["out_hidden_size"] = text_hidden
-    if vision.get("deepstack_visual_indexes"):
-        count = min(len(vision["deepstack_visual_indexes"]), TINY_VISION["depth"])
-        vision["deepstack_visual_indexes"] = list(range(count))
-
-
-def _set_dtype(config: dict[str, Any], text: dict[str, Any], dtype: str) -> None:
-    found = False
-    for target in (config, text):
-        for key in ("torch_dtype", "dtype"):
-            if key in target:
-                target[key] = dtype
-                found = True
-    if not found:
-        config["torch_dtype"] = dtype
-
-
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
-        else:
-            base[key] = copy.deepcopy(value)
-
-
-def _hf_model_classes_available() -> bool:
-    """False where transformers serves configs and tokenizers only (transformers 5 below torch 2.6)."""
-    from transformers.utils import is_torch_available
-
-    return bool(is_torch_available())
+    marker = {"weights": "random", "builder": "mllmd.testing.checkpoints", "init": init_summary()}
+    return write_checkpoint_folder(Path(out_dir), params, write_weights, marker)
 
 
 def build_random_model(config_dict: dict[str, Any], *, seed: int, dtype: str = "float32") -> Any:
@@ -314,14 +177,6 @@ def _randomize_norm_(weight: torch.Tensor, generator: torch.Generator, *, flip_s
     weight.copy_(scale - offset)
 
 
-def _init_summary() -> dict[str, Any]:
-    return {
-        "embeddings_std": 1.0,
-        "linear_std": f"{LINEAR_GAIN} / sqrt(fan_in)",
-        "norm": f"1 + N(0, {NORM_NOISE}); final norm with random signs",
-    }
-
-
 def _save_weights(model: Any, out: Path, max_shard_size: str | None) -> None:
     kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
@@ -329,32 +184,6 @@ def _save_weights(model: Any, out: Path, max_shard_size: str | None) -> None:
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
         kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
     model.save_pretrained(out, **kwargs)
-
-
-def _copy_source_files(src: Path, out: Path) -> None:
-    for name in COPIED_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
-    templates = sorted(src.glob("*.jinja"))
-    if templates:
-        shutil.copyfile(templates[0], out / "chat_template.jinja")
-
-
-def _build_tokenizer(src: Path, raw: dict[str, Any], out: Path) -> None:
-    model_type = str(raw.get("model_type", ""))
-    vocab = "qwen3_5" if model_type.startswith("qwen3_5") else "qwen3"
-    tokenizer_config = src / "tokenizer_config.json"
-    templates = sorted(src.glob("*.jinja"))
-    build_qwen_tokenizer(
-        out,
-        tokenizer_config if tokenizer_config.is_file() else None,
-        vocab=vocab,
-        chat_template=templates[0] if templates else None,
-    )
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def _parse_args(argv: Iterable[str] | None) -> argparse.Namespace:

@@ -336,7 +336,7 @@ def test_tokenizer_prompts(tmp_path: Path) -> None:
     """With a local tokenizer, prompts are decoded random ids of the asked length in that tokenizer."""
     pytest.importorskip("transformers")
     from mllmd.bench.serving_datasets import TokenizerPromptBuilder, make_prompt_builder
-    from mllmd.testing.tokenizer import build_qwen_tokenizer
+    from mllmd.checkpoint.tokenizer import build_qwen_tokenizer
 
     builder = make_prompt_builder(str(build_qwen_tokenizer(tmp_path / "tok")), token_ids=False)
     assert isinstance(builder, TokenizerPromptBuilder)

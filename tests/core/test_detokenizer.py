@@ -41,7 +41,7 @@ SPECIAL_TEXTS = ["<|im_end|>", "<|endoftext|>", "<|im_start|>", "<think>", "</th
 def tok(tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoTokenizer
 
-    from mllmd.testing.tokenizer import build_qwen_tokenizer
+    from mllmd.checkpoint.tokenizer import build_qwen_tokenizer
 
     out: Path = build_qwen_tokenizer(tmp_path_factory.mktemp("qwen3_tokenizer"))
     return AutoTokenizer.from_pretrained(out)

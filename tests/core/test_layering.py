@@ -38,13 +38,13 @@ ALLOWED: dict[str, set[str]] = {
                       "mllmd.structured"},
     "mllmd.daemon": {"mllmd.workers", "mllmd.openai", "mllmd.telemetry", "mllmd.models", "mllmd.multimodal",
                      "mllmd.structured"},
-    "mllmd.demo_weights": set(),  # torch only: the demo builds where transformers has no model classes
-    "mllmd.demo": {"mllmd.testing", "mllmd.demo_weights"},
+    "mllmd.checkpoint": set(),  # model folders from the vendored configs; random weights with torch alone
+    "mllmd.demo": {"mllmd.checkpoint"},
     "mllmd.cli": {"mllmd.daemon", "mllmd.demo"},
     "mllmd.ctl": {"mllmd.daemon"},  # reads the daemon's configuration to find its socket
-    "mllmd.bench": {"mllmd.entrypoints", "mllmd.engine", "mllmd.models", "mllmd_kernels", "mllmd.testing",
+    "mllmd.bench": {"mllmd.entrypoints", "mllmd.engine", "mllmd.models", "mllmd_kernels", "mllmd.testing", "mllmd.checkpoint",
                     "mllmd.openai"},
-    "mllmd.testing": {"mllmd.engine", "mllmd.models", "mllmd_kernels", "mllmd.entrypoints", "mllmd.demo_weights"},
+    "mllmd.testing": {"mllmd.engine", "mllmd.models", "mllmd_kernels", "mllmd.entrypoints", "mllmd.checkpoint"},
 }
 # Modules of the main process (the one systemd watches): never torch, at import time.
 MAIN_PROCESS = ["mllmd.cli", "mllmd.ctl", "mllmd.daemon.main", "mllmd.daemon.http_app", "mllmd.daemon.admin",

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from mllmd.checkpoint.tokenizer import DATA_DIR
 from mllmd.openai.parser_choice import choose_parsers, choose_reasoning_parser, read_chat_template
 from mllmd.openai.reasoning_parser import Qwen35ReasoningParser, ReasoningParser, get_reasoning_parser
-from mllmd.testing.tokenizer import DATA_DIR
 
 
 def _arch(name: str) -> str:

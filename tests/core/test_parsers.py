@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mllmd.checkpoint.tokenizer import DATA_DIR
 from mllmd.openai.reasoning_parser import (
     ReasoningParser,
     get_reasoning_parser,
@@ -30,11 +31,10 @@ from mllmd.openai.tool_parser import (
     tool_parser_names,
 )
 from mllmd.testing.checkpoints import shared_models_dir
-from mllmd.testing.tokenizer import DATA_DIR
 
 
 def template_file(relpath: str) -> Path:
-    """A real model file from shared/models, else the copy packaged in mllmd/testing/data."""
+    """A real model file from shared/models, else the copy packaged in mllmd/checkpoint/data."""
     for root in (shared_models_dir(), DATA_DIR):
         if (root / relpath).is_file():
             return root / relpath

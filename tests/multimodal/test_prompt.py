@@ -12,12 +12,12 @@ import pytest
 import torch
 from PIL import Image
 
+from mllmd.checkpoint.tokenizer import build_qwen_tokenizer
 from mllmd.models.mrope import mrope_positions
 from mllmd.multimodal.image_io import ImageError, ImageLimits, load_images
 from mllmd.multimodal.image_processing import VisionPreprocessConfig, process_image
 from mllmd.multimodal.patchify import patchify_images
 from mllmd.multimodal.prompt import VisionTokenIds, count_placeholders, expand_image_placeholders
-from mllmd.testing.tokenizer import build_qwen_tokenizer
 from tests.multimodal.conftest import encode, random_rgb
 
 START, PAD, END = 151652, 151655, 151653

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from mllmd.checkpoint.tokenizer import DATA_DIR
 from mllmd.models.qwen3_vl_vision import VISUAL_PREFIX, Qwen3VLVisionModel
 from mllmd.multimodal.image_processing import VisionPreprocessConfig
 from mllmd.testing import checkpoints as ck
-from mllmd.testing.tokenizer import DATA_DIR
 
 PACKAGED = DATA_DIR / "Qwen3-VL-2B-Instruct"
 

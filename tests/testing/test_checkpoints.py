@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from mllmd.checkpoint.folder import scale_mrope
+from mllmd.checkpoint.tokenizer import DATA_DIR
 from mllmd.demo import DEMO_MODEL_NAME, ensure_demo_model
 from mllmd.testing import checkpoints as ck
-from mllmd.testing.tokenizer import DATA_DIR
 
 SOURCE = ck.find_model_source("Qwen3-0.6B")
 VENDORED = ("Qwen3-0.6B", "Qwen3-8B", "Qwen3-VL-2B-Instruct", "Qwen3.5-0.8B", "Qwen3.5-2B", "Qwen3.5-4B",
@@ -212,10 +213,10 @@ def test_vendored_configs_are_the_upstream_files() -> None:
 
 def test_mrope_sections_are_rescaled() -> None:
     rope = {"mrope_section": [24, 20, 20]}
-    ck._scale_mrope(rope, head_dim=16)
+    scale_mrope(rope, head_dim=16)
     assert sum(rope["mrope_section"]) == 8 and min(rope["mrope_section"]) > 0
     partial = {"mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25}
-    ck._scale_mrope(partial, head_dim=64)
+    scale_mrope(partial, head_dim=64)
     assert sum(partial["mrope_section"]) == 8
 
 

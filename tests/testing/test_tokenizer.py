@@ -11,7 +11,7 @@ import tiktoken
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from mllmd.testing import tokenizer as qtok
+from mllmd.checkpoint import tokenizer as qtok
 from mllmd.testing.checkpoints import find_model_source
 
 TEXTS = [

@@ -4,7 +4,7 @@ transformers 5 turns its model classes off below torch 2.6 (it then serves confi
 only), and Jetson's JetPack wheels are torch 2.4 / 2.5, so the demo cannot build its weights through
 `Qwen3ForCausalLM` there. This draws the same tensors, in the same order from the same generator, as
 `mllmd.testing.checkpoints.randomize_weights_` does on transformers' model (every Qwen3 weight is
-overwritten there, so transformers' own init leaves no trace); tests/testing/test_demo_weights.py
+overwritten there, so transformers' own init leaves no trace); tests/testing/test_random_weights.py
 holds the two equal. Serving itself never needs the model classes.
 """
 
@@ -20,6 +20,15 @@ if TYPE_CHECKING:
 LINEAR_GAIN = 1.5  # linear weights ~ N(0, (LINEAR_GAIN / sqrt(fan_in))^2)
 NORM_NOISE = 0.1  # norm weights ~ 1 + N(0, NORM_NOISE^2)
 WEIGHTS_FILE = "model.safetensors"
+
+
+def init_summary() -> dict[str, Any]:
+    """How the weights were drawn, for a checkpoint's marker file."""
+    return {
+        "embeddings_std": 1.0,
+        "linear_std": f"{LINEAR_GAIN} / sqrt(fan_in)",
+        "norm": f"1 + N(0, {NORM_NOISE}); final norm with random signs",
+    }
 
 
 def qwen3_weight_layout(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:

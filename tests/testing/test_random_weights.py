@@ -1,5 +1,5 @@
-"""The torch-only Qwen3 weights (the demo's, where transformers has no model classes) are the very
-tensors the transformers-built test checkpoint holds, and a demo built that way serves."""
+"""The torch-only Qwen3 weights (the demo's: transformers 5 has no model classes below torch 2.6) are
+the very tensors the transformers-built test checkpoint holds, and the demo built from them serves."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from mllmd import LLM, SamplingParams
-from mllmd.demo import DEMO_SHAPE, ensure_demo_model
-from mllmd.demo_weights import qwen3_weight_layout, random_qwen3_weights
+from mllmd.checkpoint.random_weights import qwen3_weight_layout, random_qwen3_weights
+from mllmd.demo import DEMO_SHAPE, DEMO_SOURCE, ensure_demo_model
 from mllmd.testing import checkpoints as ck
 
 
@@ -44,19 +45,23 @@ def test_other_architectures_are_refused_by_name() -> None:
         qwen3_weight_layout({"model_type": "qwen3", "attention_bias": True})
 
 
-def test_the_demo_builds_and_serves_without_transformers_model_classes(
+def test_the_demo_is_built_without_transformers_model_classes_and_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reference = ensure_demo_model(tmp_path / "with")
-
     def no_model_classes(*args: object, **kwargs: object) -> None:
         raise AssertionError("transformers' model classes were used")
 
-    monkeypatch.setattr(ck, "_hf_model_classes_available", lambda: False)
-    monkeypatch.setattr(ck, "build_random_model", no_model_classes)
-    demo = ensure_demo_model(tmp_path / "without")
-    assert (demo / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
-    assert DEMO_SHAPE["dtype"] == "bfloat16"
+    with monkeypatch.context() as patched:  # the demo never draws its weights through transformers
+        patched.setattr(ck, "build_random_model", no_model_classes)
+        patched.setattr(transformers, "AutoModelForCausalLM", no_model_classes)
+        demo = ensure_demo_model(tmp_path / "demo")
+    params = {k: v for k, v in DEMO_SHAPE.items()}
+    reference = ck.build_tiny_checkpoint(tmp_path / "reference", DEMO_SOURCE, **params)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "generation_config.json"):
+        assert (demo / name).read_bytes() == (reference / name).read_bytes(), name
+    marker = json.loads((demo / ck.MARKER_NAME).read_text())
+    assert marker["weights"] == "random" and marker["builder"] == "mllmd.demo"
+    assert marker["params"] == json.loads((reference / ck.MARKER_NAME).read_text())["params"]
     llm = LLM(str(demo), device="cpu", max_total_tokens=128)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
