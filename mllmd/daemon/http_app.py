@@ -246,11 +246,21 @@ class Api:
         req = await self._parse(request, protocol.parse_completion_request)
         model = self._check_model(req.model)
         self._check_ready()
-        if len(req.prompts) != 1:
-            raise bad_request("only one prompt per request is supported", "prompt")
-        prompt = req.prompts[0]
-        states = await self._submit(request, _prompt(prompt), req, req.n, "prompt")
-        echo = [prompt if isinstance(prompt, str) else ""] * req.n
+        # several prompts: n choices each, choice index = prompt index * n + j (OpenAI's order); the
+        # batch is admitted whole or not at all, and a prompt refused midway releases those sent before it
+        self.d.serving_slot(len(req.prompts) * req.n, "prompt" if len(req.prompts) > 1 else "n")
+        states: list[Any] = []
+        try:
+            for prompt in req.prompts:
+                states += await self._submit(request, _prompt(prompt), req, req.n, "prompt")
+        except BaseException:
+            for s in states:
+                await s.owner.abort(s.rid)
+            raise
+        info = request_info(request.scope)
+        if info is not None:  # the access log counts every prompt's tokens
+            info.states = states
+        echo = [p if isinstance(p, str) else "" for p in req.prompts for _ in range(req.n)]
         if req.stream:
             return await self._respond(request, states, serving.completion_stream(states, req, model, echo), None)
         return await self._respond(request, states, None, serving.completion_full(states, req, model, echo))

@@ -226,8 +226,9 @@ class Daemon:
             return "the server is draining: it accepts no new requests"
         return "the model is loading or a worker is restarting"
 
-    def serving_slot(self, n: int) -> ModelSlot:
-        """The slot new requests go to; 503 with Retry-After when not ready or at capacity."""
+    def serving_slot(self, n: int, param: str = "n") -> ModelSlot:
+        """The slot new requests go to, for `n` engine requests (choices); 503 with Retry-After when not
+        ready or at capacity (`param`: the field a never-admissible `n` is blamed on)."""
         reason = self.not_ready_reason()
         if reason is not None or self.active is None:
             raise service_unavailable(reason or "no model is loaded")
@@ -235,10 +236,11 @@ class Daemon:
         running = slot.engine_stats.running if slot.engine_stats is not None else 0
         limit = self.config.server.max_queued_requests + self.config.engine.max_running_requests
         if n > limit:  # could never be admitted, however long the client waits: not a retryable 503
+            what = f"n={n}" if param == "n" else f"{n} choices (prompts x n)"
             raise bad_request(
-                f"n={n} exceeds what this server can hold at once ({limit} requests: "
+                f"{what} exceeds what this server can hold at once ({limit} requests: "
                 f"server.max_queued_requests + scheduler.max_running_requests)",
-                "n",
+                param,
             )
         if slot.rm.num_in_flight + n > limit:
             raise service_unavailable(

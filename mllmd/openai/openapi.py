@@ -123,7 +123,7 @@ def _schemas(limits: L.Limits) -> dict[str, Any]:
         "prompt": {"oneOf": [{"type": "string", "minLength": 1}, token_ids,
                              {"type": "array", "maxItems": P.MAX_BATCH, "items": {"type": "string", "minLength": 1}},
                              {"type": "array", "maxItems": P.MAX_BATCH, "items": token_ids}],
-                   "description": "one prompt per request is served"},
+                   "description": "a list of prompts gives n choices each, index = prompt index * n + j"},
         "echo": {"type": "boolean", "default": False},
         "logprobs": _int(0, P.MAX_COMPLETION_LOGPROBS),
         "best_of": _int(1, P.MAX_N, description="must equal n"),

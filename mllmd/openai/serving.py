@@ -104,9 +104,14 @@ def accumulate(choice: Choice, item: TextOutput) -> None:
         choice.matched_stop = item.matched_stop
 
 
-def usage_of(choices: list[Choice]) -> dict[str, Any]:
-    prompt = max((c.prompt_tokens for c in choices), default=0)
-    return R.usage(prompt, sum(c.completion_tokens for c in choices), max((c.cached_tokens for c in choices), default=0))
+def usage_of(choices: list[Choice], per_prompt: int | None = None) -> dict[str, Any]:
+    """Usage of a request's choices: `per_prompt` consecutive choices share a prompt (n of a batched
+    completions request; default: all of them), counted once."""
+    size = per_prompt or max(len(choices), 1)
+    groups = [choices[i : i + size] for i in range(0, len(choices), size)]
+    prompt = sum(max(c.prompt_tokens for c in g) for g in groups)
+    cached = sum(max(c.cached_tokens for c in g) for g in groups)
+    return R.usage(prompt, sum(c.completion_tokens for c in choices), cached)
 
 
 def _token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogprob]:
@@ -252,7 +257,7 @@ async def completion_full(states: list[Any], req: Any, model: str, echo_texts: l
             start = 0 if req.echo and c.prompt_logprobs else len(prefix)
             lp = R.completion_logprobs(_token_logprobs(entries, req.top_logprobs), start)
         out.append(R.completion_choice(i, prefix + c.text, _finish(c.finish_reason), lp))
-    return R.completion(R.completion_id(), model, R.now(), out, usage_of(choices))
+    return R.completion(R.completion_id(), model, R.now(), out, usage_of(choices, req.n))
 
 
 async def completion_stream(states: list[Any], req: Any, model: str, echo_texts: list[str]) -> AsyncIterator[bytes]:
@@ -287,7 +292,7 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
             reason = _finish(choices[i].finish_reason) if final else None
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, item.text, reason, lp)], include_usage=inc))
     if inc:
-        yield R.sse(R.completion_chunk(cid, model, created, [], usage=usage_of(choices)))
+        yield R.sse(R.completion_chunk(cid, model, created, [], usage=usage_of(choices, req.n)))
     yield R.SSE_DONE
 
 

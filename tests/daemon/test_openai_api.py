@@ -209,6 +209,48 @@ def test_completions_n2_and_echo(client: Any) -> None:
     assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
 
 
+def test_completions_batch_of_prompts(client: Any, tokenizer: Any) -> None:
+    """A list of prompts (LangChain and lm-eval send them): n choices each, index = prompt * n + j, each the
+    text that prompt gives alone, usage counting every prompt once."""
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3,"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, temperature=0, extra_body=IGNORE_EOS)
+             .choices[0].text for p in prompts]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=5, n=2, temperature=0, echo=True,
+                                  extra_body=IGNORE_EOS)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.text for c in r.choices] == [p + t for p, t in zip(prompts, alone) for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(text_prompt_tokens(tokenizer, p) for p in prompts)
+    assert r.usage.completion_tokens == 30
+    # token-id prompts, streamed: every choice streams the text its prompt gives alone, and ends once
+    ids = [tokenizer(p)["input_ids"] for p in prompts[:2]]
+    alone_ids = [client.completions.create(model=MODEL, prompt=i, max_tokens=4, temperature=0, extra_body=IGNORE_EOS)
+                 .choices[0].text for i in ids]
+    stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+    chunks = list(stream)
+    texts: dict[int, str] = {}
+    ends: dict[int, int] = {}
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            ends[c.index] = ends.get(c.index, 0) + (c.finish_reason is not None)
+    assert texts == {0: alone_ids[0], 1: alone_ids[1]} and ends == {0: 1, 1: 1}
+    assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1]) and chunks[-1].usage.completion_tokens == 8
+
+
+def test_completions_batch_with_a_bad_prompt_is_refused_whole(client: Any, daemon: Any) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[PROMPT, "x " * 100_000], max_tokens=4)
+    assert err.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=[PROMPT] * 200, max_tokens=1, n=2)
+    assert err.value.body["param"] == "n" and "256" in err.value.body["message"]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=IGNORE_EOS)
+    assert r.usage.completion_tokens == 2  # the daemon serves on
+
+
 def test_completions_seed_reproducible(client: Any) -> None:
     def run(seed: int) -> str:
         return client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed,
