@@ -178,16 +178,36 @@ class Api:
         return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def _submit(self, request: Request, prompt: Prompt, req: Any, n: int, prompt_param: str,
-                      constraint: OutputConstraint | None = None) -> list[Any]:
+                      constraint: OutputConstraint | None = None, alias: str | None = None) -> list[Any]:
         """Validate the request's sampling fields, then hand the prompt to the serving slot
         (`constraint`: the grammar of a structured reply, compiled by the tokenizer worker)."""
         params = req.sampling_params()
         params.constraint = constraint
         slot = self.d.serving_slot(n)
         states = await slot.rm.submit(prompt, params, self._budget(req.output_budget()), n, prompt_param,
-                                      slot.context_length)
+                                      slot.context_length, alias)
         info = request_info(request.scope)
         if info is not None:  # the access log reads their token counts
+            info.states = states
+        return states
+
+    async def _submit_batch(self, request: Request, req: Any, n: int, batch_param: str,
+                            aliases: list[str] | None = None) -> list[Any]:
+        """Submit each of `req.prompts` with n choices: choice index = prompt index * n + j (OpenAI's
+        order). The batch is admitted whole or not at all, and a prompt refused midway releases those
+        sent before it. `aliases`: the client's own id for each prompt (native /generate's `rid`)."""
+        self.d.serving_slot(len(req.prompts) * n, batch_param if len(req.prompts) > 1 else "n")
+        states: list[Any] = []
+        try:
+            for i, prompt in enumerate(req.prompts):
+                states += await self._submit(request, _prompt(prompt), req, n, "prompt",
+                                             alias=aliases[i] if aliases else None)
+        except BaseException:
+            for s in states:
+                await s.owner.abort(s.rid)
+            raise
+        info = request_info(request.scope)
+        if info is not None:  # the access log counts every prompt's tokens
             info.states = states
         return states
 
@@ -246,20 +266,7 @@ class Api:
         req = await self._parse(request, protocol.parse_completion_request)
         model = self._check_model(req.model)
         self._check_ready()
-        # several prompts: n choices each, choice index = prompt index * n + j (OpenAI's order); the
-        # batch is admitted whole or not at all, and a prompt refused midway releases those sent before it
-        self.d.serving_slot(len(req.prompts) * req.n, "prompt" if len(req.prompts) > 1 else "n")
-        states: list[Any] = []
-        try:
-            for prompt in req.prompts:
-                states += await self._submit(request, _prompt(prompt), req, req.n, "prompt")
-        except BaseException:
-            for s in states:
-                await s.owner.abort(s.rid)
-            raise
-        info = request_info(request.scope)
-        if info is not None:  # the access log counts every prompt's tokens
-            info.states = states
+        states = await self._submit_batch(request, req, req.n, "prompt")
         echo = [p if isinstance(p, str) else "" for p in req.prompts for _ in range(req.n)]
         if req.stream:
             return await self._respond(request, states, serving.completion_stream(states, req, model, echo), None)
@@ -270,12 +277,12 @@ class Api:
         req = await self._parse(request, protocol.parse_generate_request)
         self._check_model(None)
         self._check_ready()
-        if req.batch_size != 1:
-            raise bad_request("batched /generate is not supported; send one prompt per request", "text")
-        states = await self._submit(request, _prompt(req.prompts[0]), req, 1, "prompt")
+        states = await self._submit_batch(request, req, 1, "text" if req.texts is not None else "input_ids",
+                                          req.rids)
         if req.stream:
-            return await self._respond(request, states, serving.generate_stream(states), None)
-        return await self._respond(request, states, None, _first_of(serving.generate_full(states)))
+            return await self._respond(request, states, serving.generate_stream(states, req), None)
+        full = serving.generate_full(states, req)
+        return await self._respond(request, states, None, full if req.is_batch else _first_of(full))
 
     async def abort_request(self, request: Request) -> Response:
         """Abort a request by id: only over the admin API (the Unix socket, or the admin key). A client

@@ -591,6 +591,7 @@ class Daemon:
                          # what main keeps per request (all 0 when idle: nothing may accumulate)
                          "tracked": {"requests": sum(s.rm.num_in_flight for s in self.slots()),
                                      "groups": sum(s.rm.num_groups for s in self.slots()),
+                                     "client_ids": sum(len(s.rm.aliases) for s in self.slots()),
                                      "metrics": self.metrics.num_tracked}},
             "kv_cache": {"total_tokens": total, "free_tokens": kv.free, "cached_tokens": kv.cached,
                          "usage_ratio": round(used / total, 4)} if kv is not None and total else {},

@@ -51,6 +51,7 @@ class RequestState:
     created: float = field(default_factory=time.monotonic)
     finished: bool = False
     owner: Any = None  # the RequestManager (of one model slot) that holds this request
+    alias: str | None = None  # the client's own id for it (native /generate's `rid`), unique while in flight
     last: TextOutput | None = None  # the latest output delivered (its token counts end an admin abort)
 
 
@@ -60,6 +61,9 @@ class RequestManager:
         self.to_scheduler = ipc.push(ctx, ipc_dir, ipc.SCHEDULER)
         self.reqs: dict[str, RequestState] = {}
         self.groups: dict[str, list[str]] = {}
+        # a client's own request id -> its group. The engine only ever sees the random ids: a client id
+        # reused at once cannot meet the outputs of the request it named before
+        self.aliases: dict[str, str] = {}
 
     @staticmethod
     def new_rid() -> str:
@@ -75,12 +79,16 @@ class RequestManager:
         n: int,
         prompt_param: str,
         context_length: int | None = None,
+        alias: str | None = None,
     ) -> list[RequestState]:
-        """Send one prompt with n sampling runs to the tokenizer; one state per run.
+        """Send one prompt with n sampling runs to the tokenizer; one state per run (`alias`: the
+        client's own id for the request, refused while another request holds it).
 
         A prompt of token ids needs no tokenizer: with the model's `context_length` known, it is checked
         here (APIError, before anything is registered) and goes straight to the scheduler, one hop less.
         """
+        if alias is not None and alias in self.aliases:
+            raise bad_request(f"'rid' {alias!r} is already in flight", "rid")
         group = self.new_rid()
         rids = [f"{group}.{i}" for i in range(n)]
         direct = None
@@ -91,10 +99,12 @@ class RequestManager:
             except InvalidSamplingParam as e:
                 raise bad_request(str(e), e.param) from None
             direct = choice_params(dataclasses.replace(params, max_tokens=max_tokens), n)
-        states = [RequestState(rid, group, owner=self) for rid in rids]
+        states = [RequestState(rid, group, owner=self, alias=alias) for rid in rids]
         for s in states:
             self.reqs[s.rid] = s
         self.groups[group] = rids
+        if alias is not None:
+            self.aliases[alias] = group
         logger.debug("submit %s", group)
         t_submit = time.perf_counter()  # FirstTokenTimes.submitted; the scheduler's MLLMD_STEP_TRACE
         sent: list[str] = []
@@ -123,6 +133,8 @@ class RequestManager:
             rids = self.groups.get(state.group, ())
             if not any(r in self.reqs for r in rids):
                 self.groups.pop(state.group, None)
+                if state.alias is not None:
+                    self.aliases.pop(state.alias, None)
         return state
 
     async def abort(self, rid: str) -> None:
@@ -132,8 +144,10 @@ class RequestManager:
             await self.send_abort(rid)
 
     async def abort_by_admin(self, rid: str) -> list[str]:
-        """Abort a request (a choice id, or a group id for all its choices) and wake its handler with a
+        """Abort a request (a choice id, a group id for all its choices, or the client's own /generate
+        `rid`) and wake its handler with a
         final "abort" item; returns the choice ids aborted (none: no such request here)."""
+        rid = self.aliases.get(rid, rid)
         rids = [r for r in self.groups.get(rid, [rid]) if r in self.reqs]
         for r in rids:
             state = self._drop(r)
@@ -194,6 +208,7 @@ class RequestManager:
             state.queue.put_nowait(RequestFailed(state.rid, "unavailable", message))
         self.reqs.clear()
         self.groups.clear()
+        self.aliases.clear()
 
     def close(self) -> None:
         self.to_tokenizer.close(linger=0)

@@ -130,15 +130,19 @@ def _schemas(limits: L.Limits) -> dict[str, Any]:
     }}
     generate = {"type": "object", "properties": {
         "text": {"oneOf": [{"type": "string", "minLength": 1},
-                           {"type": "array", "maxItems": 1, "items": {"type": "string", "minLength": 1}}]},
-        "input_ids": {"oneOf": [token_ids, {"type": "array", "maxItems": 1, "items": token_ids}]},
+                           {"type": "array", "maxItems": P.MAX_BATCH, "items": {"type": "string", "minLength": 1}}]},
+        "input_ids": {"oneOf": [token_ids, {"type": "array", "maxItems": P.MAX_BATCH, "items": token_ids}]},
         "stream": {"type": "boolean", "default": False},
         "return_logprob": {"type": "boolean", "default": False},
         "top_logprobs_num": _int(0, MAX_TOP_LOGPROBS, description="requires return_logprob: true"),
-        "rid": {"type": "string", "minLength": 1, "maxLength": P.MAX_RID_LEN},
+        "rid": {"oneOf": [{"type": "string", "minLength": 1, "maxLength": P.MAX_RID_LEN},
+                          {"type": "array", "maxItems": P.MAX_BATCH,
+                           "items": {"type": "string", "minLength": 1, "maxLength": P.MAX_RID_LEN}}],
+                "description": "the client's id for the request (one per prompt of a batch), returned as "
+                               "meta_info.id and taken by the admin's /abort_request; unique while in flight"},
         "sampling_params": {"type": "object", "additionalProperties": False, "properties": {
             "max_new_tokens": _int(1, P.MAX_INT), **_sampling(limits, temperature_max=100.0)}},
-    }, "description": "exactly one of text and input_ids"}
+    }, "description": "exactly one of text and input_ids; a list of prompts answers a list of results"}
     error = {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "param", "code"], "properties": {
             "message": {"type": "string"}, "type": {"type": "string"},

@@ -297,35 +297,47 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
 
 
 # ---- native /generate ------------------------------------------------------------------------
-def generate_result(c: Choice, rid: str) -> dict[str, Any]:
-    return {
-        "text": c.text,
-        "meta_info": {
-            "id": rid,
-            "finish_reason": {"type": _finish(c.finish_reason) if c.finish_reason != "abort" else "abort",
-                              "matched": c.matched_stop},
-            "prompt_tokens": c.prompt_tokens,
-            "completion_tokens": c.completion_tokens,
-            "cached_tokens": c.cached_tokens,
-        },
+def _sglang_logprobs(entries: list[TokenLogprob]) -> list[list[Any]]:
+    """SGLang's `[logprob, token id, token text]` triples."""
+    return [[e.logprob, e.token_id, e.token] for e in entries]
+
+
+def generate_result(c: Choice, state: Any, req: Any) -> dict[str, Any]:
+    """SGLang's /generate result; `meta_info.id` is the client's `rid` where it gave one."""
+    meta: dict[str, Any] = {
+        "id": state.alias or state.rid,
+        "finish_reason": {"type": _finish(c.finish_reason) if c.finish_reason != "abort" else "abort",
+                          "matched": c.matched_stop},
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": c.completion_tokens,
+        "cached_tokens": c.cached_tokens,
     }
+    if req.logprobs:  # return_logprob: each output token's, and its top_logprobs_num alternatives
+        meta["output_token_logprobs"] = _sglang_logprobs(c.logprobs)
+        if req.top_logprobs:
+            meta["output_top_logprobs"] = [
+                [[t.logprob, t.token_id, t.token] for t in e.top[: req.top_logprobs]] for e in c.logprobs
+            ]
+    return {"text": c.text, "meta_info": meta}
 
 
-async def generate_full(states: list[Any]) -> list[dict[str, Any]]:
+async def generate_full(states: list[Any], req: Any) -> list[dict[str, Any]]:
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
         accumulate(choices[i], raise_if_error(item))
-    return [generate_result(c, s.rid) for c, s in zip(choices, states)]
+    return [generate_result(c, s, req) for c, s in zip(choices, states)]
 
 
-async def generate_stream(states: list[Any]) -> AsyncIterator[bytes]:
+async def generate_stream(states: list[Any], req: Any) -> AsyncIterator[bytes]:
+    """Each event holds a prompt's text and meta_info so far (SGLang's cumulative shape) and its
+    `index` in the batch."""
     choices = [Choice() for _ in states]
     async for i, item in merged(states):
         if isinstance(item, RequestFailed):
             yield stream_error(item)
             return
         accumulate(choices[i], item)
-        out = generate_result(choices[i], states[i].rid)
+        out = generate_result(choices[i], states[i], req)
         out["index"] = i
         yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n".encode()
     yield R.SSE_DONE

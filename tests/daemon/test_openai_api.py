@@ -383,6 +383,53 @@ def test_generate_native(daemon: Any) -> None:
         assert final["meta_info"]["completion_tokens"] == 4 and final["meta_info"]["prompt_tokens"] == 3
 
 
+def test_generate_batch_rid_and_logprobs(daemon: Any, tokenizer: Any) -> None:
+    """SGLang's /generate: a list of prompts answers a list (each the result its prompt gives alone),
+    `rid` comes back as meta_info.id, and return_logprob gives [logprob, token id, text] per token."""
+    sp = {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0}
+    texts = [PROMPT, "Once upon a time"]
+    with daemon.http() as h:
+        alone = [h.post("/generate", json={"text": t, "sampling_params": sp}).json()["text"] for t in texts]
+        r = h.post("/generate", json={"text": texts, "sampling_params": sp, "rid": ["a-1", "a-2"]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert isinstance(body, list) and [b["text"] for b in body] == alone
+        assert [b["meta_info"]["id"] for b in body] == ["a-1", "a-2"]
+        assert [b["meta_info"]["prompt_tokens"] for b in body] == [text_prompt_tokens(tokenizer, t) for t in texts]
+        r = h.post("/generate", json={"input_ids": [tokenizer(t)["input_ids"] for t in texts], "sampling_params": sp,
+                                      "return_logprob": True, "top_logprobs_num": 2})
+        for b, text in zip(r.json(), alone):
+            meta = b["meta_info"]
+            assert b["text"] == text and len(meta["output_token_logprobs"]) == 4
+            for (lp, tid, tok), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+                assert isinstance(tid, int) and isinstance(tok, str) and lp <= 0
+                assert len(top) == 2 and top[0][1] == tid and top[0][0] == pytest.approx(lp, abs=1e-4)  # greedy
+        # streamed batch: each prompt's events carry its index, and each ends with its full text
+        with h.stream("POST", "/generate", json={"text": texts, "stream": True, "sampling_params": sp}) as st:
+            events = [json.loads(ln[6:]) for ln in st.iter_lines() if ln.startswith("data: {")]
+        last = {e["index"]: e["text"] for e in events}
+        assert last == {0: alone[0], 1: alone[1]}
+
+
+def test_generate_rid_is_unique_while_in_flight_and_the_admin_aborts_by_it(daemon: Any) -> None:
+    body = {"text": PROMPT, "rid": "mine", "stream": True, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with daemon.http() as h, h.stream("POST", "/generate", json=body) as st:
+        lines = st.iter_lines()
+        first = next(json.loads(ln[6:]) for ln in lines if ln.startswith("data: {"))
+        assert first["meta_info"]["id"] == "mine"
+        with daemon.http() as h2:
+            again = h2.post("/generate", json={**body, "stream": False})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "rid", again.text
+        with daemon.uds_http() as admin:
+            r = admin.post("/abort_request", json={"rid": "mine"})
+        assert r.status_code == 200 and len(r.json()["aborted"]) == 1, r.text
+        rest = [ln[6:] for ln in lines if ln.startswith("data: ")]
+    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["meta_info"]["finish_reason"]["type"] == "abort"
+    with daemon.http() as h:  # released: the id is free again
+        r = h.post("/generate", json={**body, "stream": False, "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.json()["meta_info"]["id"] == "mine"
+
+
 # ---- Unix socket -----------------------------------------------------------------------------
 def test_unix_socket_mode(daemon: Any) -> None:
     st = os.stat(daemon.uds)
