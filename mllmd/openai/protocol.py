@@ -634,6 +634,8 @@ def _as_rid(v: Any, p: str) -> str:
     rid = as_str(v, p, allow_empty=False)
     if len(rid) > MAX_RID_LEN:
         raise bad_request(f"'{p}' must be at most {MAX_RID_LEN} characters", p)
+    if not rid.isprintable():  # it may reach logs and `mllmctl` tables
+        raise bad_request(f"'{p}' must hold printable characters only (got {rid!r})", p)
     return rid
 
 
@@ -644,7 +646,8 @@ def _read_rids(o: JsonFields, is_batch: bool, size: int) -> list[str] | None:
     if not is_batch:
         return [_as_rid(v, p)]
     if not isinstance(v, list) or len(v) != size:
-        raise bad_request(f"'{p}' must be an array of {size} strings for a batch (got {show(v)})", p)
+        raise bad_request(f"'{p}' must be an array of {size} string{'s' if size != 1 else ''} for a batch "
+                          f"(got {show(v)})", p)
     rids = [_as_rid(r, f"{p}[{i}]") for i, r in enumerate(v)]
     if len(set(rids)) != len(rids):
         raise bad_request(f"'{p}' must not repeat an id", p)

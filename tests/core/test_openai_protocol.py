@@ -679,6 +679,7 @@ BAD_GENERATE: list[tuple[Any, str | None]] = [
     ({**T, "rid": 5}, "rid"),
     ({**T, "rid": ""}, "rid"),
     ({**T, "rid": "r" * 300}, "rid"),
+    ({**T, "rid": "a\nb"}, "rid"),  # a control character
     ({"text": ["a", "b"], "rid": "r"}, "rid"),
     ({"text": ["a", "b"], "rid": ["r", "r"]}, "rid"),
     ({**T, "return_logprob": "y"}, "return_logprob"),
