@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             elif not rows:
                 print("no requests in flight")
             else:
-                print("\n".join(f"{q['id']:<48} {q['model']:<24} {q['age_seconds']:>8.1f} s" for q in rows))
+                print("\n".join(f"{q['id']:<48} {q['model']:<24} {q['age_seconds']:>8.1f} s"
+                                + (f"  client id {q['client_id']!r}" if q.get("client_id") else "") for q in rows))
         elif cmd == "abort":
             r = client.call("POST", "/abort_request", {"rid": args.id})
             print("aborted " + ", ".join(r.get("aborted") or []))

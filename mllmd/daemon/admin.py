@@ -70,9 +70,11 @@ class AdminApi:
         return JSONResponse({"message": message, "status": self.d.status()}, status_code=202)
 
     async def requests(self, request: Request) -> Response:
-        """The requests in flight (ids, for POST /abort_request), oldest first."""
+        """The requests in flight (ids, for POST /abort_request; `client_id`: a /generate request's own
+        `rid`, which /abort_request also takes), oldest first."""
         now = time.monotonic()
-        rows = [{"id": s.rid, "group": s.group, "model": slot.served_name, "age_seconds": round(now - s.created, 3)}
+        rows = [{"id": s.rid, "group": s.group, "client_id": s.alias, "model": slot.served_name,
+                 "age_seconds": round(now - s.created, 3)}
                 for slot in self.d.slots() for s in slot.rm.reqs.values()]
         return JSONResponse({"requests": sorted(rows, key=lambda r: -r["age_seconds"])})
 

@@ -421,6 +421,8 @@ def test_generate_rid_is_unique_while_in_flight_and_the_admin_aborts_by_it(daemo
             again = h2.post("/generate", json={**body, "stream": False})
         assert again.status_code == 400 and again.json()["error"]["param"] == "rid", again.text
         with daemon.uds_http() as admin:
+            listed = admin.get("/admin/requests").json()["requests"]
+            assert [q["client_id"] for q in listed] == ["mine"], listed
             r = admin.post("/abort_request", json={"rid": "mine"})
         assert r.status_code == 200 and len(r.json()["aborted"]) == 1, r.text
         rest = [ln[6:] for ln in lines if ln.startswith("data: ")]
