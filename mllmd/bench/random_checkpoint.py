@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mllmd.checkpoint import folder
+from mllmd.checkpoint.random_weights import hf_model_classes_available, qwen3_weight_layout
 from mllmd.testing import checkpoints as ck
 
 SHARD_BYTES = 4 << 30
@@ -33,6 +34,14 @@ def _meta_model(config_dict: dict[str, Any]) -> Any:
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     with torch.device("meta"):
         return ck.hf_model_class(config_dict).from_config(config)
+
+
+def parameter_shapes(config_dict: dict[str, Any]) -> list[tuple[str, torch.Size]]:
+    """(name, shape) of every parameter, in transformers' order: from its model on the meta device, or,
+    for Qwen3 where transformers has no model classes (below torch 2.6: Jetson's), `qwen3_weight_layout`."""
+    if config_dict.get("model_type") == "qwen3" and not hf_model_classes_available():
+        return [(name, torch.Size(shape)) for name, shape, _ in qwen3_weight_layout(config_dict)]
+    return [(name, p.shape) for name, p in _meta_model(config_dict).named_parameters()]
 
 
 def _random_tensor(
@@ -67,7 +76,6 @@ def build_random_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
-    model = _meta_model(config)
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device=device).manual_seed(seed)
     tied = bool(config.get("tie_word_embeddings", False))
@@ -82,10 +90,10 @@ def build_random_checkpoint(
             files.append((f"part-{len(files):05d}", shard))
             shard, shard_bytes = {}, 0
 
-    for name, p in model.named_parameters():
+    for name, shape in parameter_shapes(config):
         if tied and name == "lm_head.weight":
             continue
-        t = _random_tensor(name, p.shape, tdtype, gen, device, linear_gain).cpu()
+        t = _random_tensor(name, shape, tdtype, gen, device, linear_gain).cpu()
         shard[name] = t
         shard_bytes += t.numel() * t.element_size()
         if shard_bytes >= SHARD_BYTES:

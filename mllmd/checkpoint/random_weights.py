@@ -22,6 +22,13 @@ NORM_NOISE = 0.1  # norm weights ~ 1 + N(0, NORM_NOISE^2)
 WEIGHTS_FILE = "model.safetensors"
 
 
+def hf_model_classes_available() -> bool:
+    """False where transformers serves configs and tokenizers only (transformers 5 below torch 2.6)."""
+    from transformers.utils import is_torch_available
+
+    return bool(is_torch_available())
+
+
 def init_summary() -> dict[str, Any]:
     """How the weights were drawn, for a checkpoint's marker file."""
     return {

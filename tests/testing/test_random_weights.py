@@ -38,6 +38,23 @@ def test_a_different_seed_draws_different_weights() -> None:
     assert not torch.equal(a["model.layers.0.mlp.up_proj.weight"], b["model.layers.0.mlp.up_proj.weight"])
 
 
+@pytest.mark.parametrize(("source", "tied"), [("Qwen3-8B", False), ("Qwen3-0.6B", True)])
+def test_the_full_size_layout_is_transformers_own(source: str, tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mllmd.bench.random_checkpoint takes Qwen3's names and shapes from qwen3_weight_layout where
+    transformers has no model classes: the same list, in the same order, as its model on the meta device."""
+    from mllmd.bench import random_checkpoint as rc
+
+    config = json.loads((ck.find_model_source(source) / "config.json").read_text())
+    assert bool(config.get("tie_word_embeddings")) is tied
+    expected = rc.parameter_shapes(config)  # transformers' own (its model classes are here)
+    monkeypatch.setattr(rc, "hf_model_classes_available", lambda: False)
+    monkeypatch.setattr(rc, "_meta_model", None)  # not used any more
+    drawn = rc.parameter_shapes(config)
+    if tied:  # transformers lists a tied lm_head under the embedding only
+        expected = [(n, s) for n, s in expected if n != "lm_head.weight"]
+    assert drawn == expected
+
+
 def test_other_architectures_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'qwen3_5'"):
         qwen3_weight_layout({"model_type": "qwen3_5"})
