@@ -2,8 +2,8 @@
 
 transformers 5 turns its model classes off below torch 2.6 (it then serves configs and tokenizers
 only), and Jetson's JetPack wheels are torch 2.4 / 2.5, so the demo cannot build its weights through
-`Qwen3ForCausalLM` there. This draws the same tensors, in the same order from the same generator, as
-`mllmd.testing.checkpoints.randomize_weights_` does on transformers' model (every Qwen3 weight is
+`Qwen3ForCausalLM` there. This draws the same tensors, in the same order from the same generator and
+with the same draw functions, as `mllmd.testing.checkpoints.randomize_weights_` does on transformers' model (every Qwen3 weight is
 overwritten there, so transformers' own init leaves no trace); tests/testing/test_random_weights.py
 holds the two equal. Serving itself never needs the model classes.
 """
@@ -73,6 +73,31 @@ def qwen3_weight_layout(config: dict[str, Any]) -> list[tuple[str, tuple[int, ..
     return layout
 
 
+def draw_embedding(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """An embedding or lm_head: N(0, 1), so the residual stream starts at unit RMS."""
+    import torch
+
+    return torch.randn(shape, generator=generator)
+
+
+def draw_linear(shape: tuple[int, ...], generator: torch.Generator, gain: float = LINEAR_GAIN) -> torch.Tensor:
+    """A linear or conv weight: N(0, (gain / sqrt(fan_in))^2), fan_in = every dim after the first."""
+    import torch
+
+    return torch.randn(shape, generator=generator) * (gain / math.sqrt(math.prod(shape[1:])))
+
+
+def draw_norm_scale(shape: tuple[int, ...], generator: torch.Generator, *, flip_signs: bool) -> torch.Tensor:
+    """A norm's effective scale: 1 + N(0, NORM_NOISE^2); the final norm's with a random sign per channel
+    (a tied lm_head then no longer predicts the current token)."""
+    import torch
+
+    scale = 1.0 + NORM_NOISE * torch.randn(shape, generator=generator)
+    if flip_signs:
+        scale = scale * (torch.randint(0, 2, shape, generator=generator) * 2 - 1)
+    return scale
+
+
 def random_qwen3_weights(config: dict[str, Any], *, seed: int, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Every weight of a Qwen3 dense `config`, drawn as `randomize_weights_` draws them, in `dtype`.
 
@@ -83,13 +108,11 @@ def random_qwen3_weights(config: dict[str, Any], *, seed: int, dtype: str = "flo
     weights: dict[str, torch.Tensor] = {}
     for name, shape, kind in qwen3_weight_layout(config):
         if kind == "embedding":
-            value = torch.randn(shape, generator=generator)
+            value = draw_embedding(shape, generator)
         elif kind == "linear":
-            value = torch.randn(shape, generator=generator) * (LINEAR_GAIN / math.sqrt(shape[1]))
+            value = draw_linear(shape, generator)
         else:
-            value = 1.0 + NORM_NOISE * torch.randn(shape, generator=generator)
-            if kind == "final_norm":  # random signs: a tied lm_head no longer predicts the current token
-                value = value * (torch.randint(0, 2, shape, generator=generator) * 2 - 1)
+            value = draw_norm_scale(shape, generator, flip_signs=kind == "final_norm")
         weights[name] = value.to(getattr(torch, dtype)).contiguous()
     return weights
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -47,7 +46,13 @@ from mllmd.checkpoint.folder import (  # noqa: F401  (re-exported: the tests' on
     tiny_config,
     write_checkpoint_folder,
 )
-from mllmd.checkpoint.random_weights import LINEAR_GAIN, NORM_NOISE, init_summary
+from mllmd.checkpoint.random_weights import (
+    LINEAR_GAIN,
+    draw_embedding,
+    draw_linear,
+    draw_norm_scale,
+    init_summary,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -143,12 +148,13 @@ def randomize_weights_(model: torch.nn.Module, *, seed: int, gain: float = LINEA
                 continue
             seen.add(id(weight))
             if isinstance(module, torch.nn.Embedding) or module is lm_head:
-                weight.copy_(torch.randn(weight.shape, generator=generator))
+                weight.copy_(draw_embedding(tuple(weight.shape), generator))
             elif isinstance(module, (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
-                fan_in = weight[0].numel()
-                weight.copy_(torch.randn(weight.shape, generator=generator) * (gain / math.sqrt(fan_in)))
+                weight.copy_(draw_linear(tuple(weight.shape), generator, gain))
             elif _is_norm(module):
-                _randomize_norm_(weight, generator, flip_signs=module is final_norm)
+                # a fresh norm weight is 1 (`x * w`) or 0 (Qwen3.5's `x * (1 + w)`): the same effective scale
+                offset = 1.0 - round(weight.detach().float().mean().item())
+                weight.copy_(draw_norm_scale(tuple(weight.shape), generator, flip_signs=module is final_norm) - offset)
 
 
 def _is_norm(module: Any) -> bool:
@@ -161,20 +167,6 @@ def _final_norm(model: Any) -> Any:
     base = getattr(model, "model", model)
     base = getattr(base, "language_model", base)
     return getattr(base, "norm", None)
-
-
-def _randomize_norm_(weight: torch.Tensor, generator: torch.Generator, *, flip_signs: bool) -> None:
-    """Effective scale 1 + noise (sign-flipped per channel if asked), whatever the norm's convention.
-
-    A freshly initialised norm weight is 1 (`x * w`) or 0 (Qwen3.5's `x * (1 + w)`).
-    """
-    import torch
-
-    offset = 1.0 - round(weight.detach().float().mean().item())  # 0 for `x * w`, 1 for `x * (1 + w)`
-    scale = 1.0 + NORM_NOISE * torch.randn(weight.shape, generator=generator)
-    if flip_signs:
-        scale = scale * (torch.randint(0, 2, weight.shape, generator=generator) * 2 - 1)
-    weight.copy_(scale - offset)
 
 
 def _save_weights(model: Any, out: Path, max_shard_size: str | None) -> None:
