@@ -415,8 +415,7 @@ def decode_image(data: bytes, limits: ImageLimits, *, where: str = "image: ") ->
         )
     try:
         image.load()  # the first frame only (GIF, animated WebP/PNG)
-        image = _upright(image)
-        return to_rgb(image)
+        return to_rgb(_upright(image))
     except Image.DecompressionBombError as exc:
         raise _bomb_error(exc, where, limits) from None
     except (OSError, SyntaxError, ValueError, EOFError, MemoryError) as exc:

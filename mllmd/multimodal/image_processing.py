@@ -221,7 +221,7 @@ def content_hash(pixels: np.ndarray) -> bytes:
     pixels = np.ascontiguousarray(pixels)
     digest = hashlib.blake2b(digest_size=16, person=b"mllmd-image")
     digest.update(f"{pixels.dtype.str}:{'x'.join(str(d) for d in pixels.shape)};".encode())
-    digest.update(memoryview(pixels).cast("B"))
+    digest.update(pixels.reshape(-1).view(np.uint8).data)
     return digest.digest()
 
 

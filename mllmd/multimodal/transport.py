@@ -9,13 +9,9 @@ tensor it owns, and returns the handle's id in a `TransportAck` once its copy ha
 Modes and the reasons behind them:
 - `default`: POSIX shared memory, unlinked by the receiver right after its copy. The receiver is the
   only process that knows when the bytes are no longer needed, and a segment unlinked there cannot
-  outlive either process. On Python < 3.13 `SharedMemory` registers every segment it creates or
-  attaches with the process's resource tracker, which unlinks and warns about whatever is still
-  registered when that process exits: the attaching process's tracker can delete the creator's
-  segment (CPython gh-82300). Both sides therefore keep the tracker out (`track=False` from 3.13,
-  unregister at once before), and the sender keeps a bounded registry of the segments not yet
-  acknowledged, which it unlinks when it closes, resets or exits; a new sender unlinks the segments
-  of senders that died.
+  outlive either process. Both sides keep Python's resource tracker out of it (`shm.py` says why),
+  and the sender keeps a bounded registry of the segments not yet acknowledged, which it unlinks when
+  it closes, resets or exits; a new sender unlinks the segments of senders that died.
 - `cuda_ipc`: the sender copies the tensor to its device on a side stream and exports it
   (`storage._share_cuda_()` records an interprocess event on that stream, after the copy). The
   receiver waits on the event in its copy stream, copies into a tensor of its own and acknowledges
@@ -36,44 +32,39 @@ and returns only the finished ones.
 
 Fallbacks: a full pool sends that tensor by `cuda_ipc`; more than `max_inflight` unacknowledged IPC
 tensors send it by `default`; a sender without CUDA uses `default`. The daemon probes CUDA IPC at start
-(`probe_cuda_ipc`; integrated GPUs such as Jetson's report legacy CUDA IPC as unsupported, so they are
-not tried) and resolves the mode (`resolve_mode`), logging one line when it falls back.
+and resolves the mode against it (`transport_probe.py`).
+
+Beside this module: `shm.py` (the segments), `pool_allocator.py` (the pool's chunks), `cuda_ipc.py`
+(every CUDA call of the two CUDA modes).
 
 torch is imported only by the CUDA modes and by the receiver: the `default` sender needs numpy alone.
 """
 
 from __future__ import annotations
 
-import _posixshmem
 import contextlib
-import json
 import logging
 import math
 import os
 import re
 import secrets
-import subprocess
 import sys
-import time
-import warnings
 import weakref
-from bisect import bisect_left
 from collections import OrderedDict
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-import msgspec
 import numpy as np
 
 from mllmd.messages import CudaIpcStorage, CudaIpcTensor, PoolTensor, ShmTensor, TensorHandle, TransportAck
+from mllmd.multimodal import shm
+from mllmd.multimodal.cuda_ipc import cuda_backend
+from mllmd.multimodal.pool_allocator import PoolAllocator, PoolChunk
+from mllmd.multimodal.shm import SHM_PREFIX
 
 logger = logging.getLogger("mllmd.transport")
 
 MODES = ("default", "cuda_ipc", "cuda_ipc_pool")
-SHM_PREFIX = "mllmd_"  # every segment's name starts with it, then the creator's pid
-SHM_DIR = "/dev/shm"
-POOL_ALIGNMENT = 256  # chunk offsets and sizes: enough for any dtype view and for coalesced copies
 # Unacknowledged tensors per mechanism (segments, IPC tensors, pool chunks). It keeps a receiver that fell
 # behind or died from pinning unbounded memory, and stays under torch's 1,000 interprocess events per process.
 MAX_INFLIGHT = 256
@@ -82,8 +73,6 @@ ITEMSIZE = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8
             "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 DTYPES = tuple(ITEMSIZE)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
-_TRACK_ARG = sys.version_info >= (3, 13)  # SharedMemory(track=False)
-TEGRA_MARKERS = ("/etc/nv_tegra_release", "/sys/module/tegra_fuse")
 
 
 class TransportError(RuntimeError):
@@ -92,156 +81,6 @@ class TransportError(RuntimeError):
 
 class TransportFull(TransportError):
     """Too many tensors in flight without an acknowledgement: the receiver is behind or gone (a 503)."""
-
-
-# ---- POSIX shared memory, kept away from the resource tracker -----------------------------------
-def _shm_create(name: str, size: int) -> shared_memory.SharedMemory:
-    if _TRACK_ARG:
-        return shared_memory.SharedMemory(name, create=True, size=size, track=False)
-    seg = shared_memory.SharedMemory(name, create=True, size=size)
-    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-    return seg
-
-
-def _shm_attach(name: str) -> shared_memory.SharedMemory:
-    if _TRACK_ARG:
-        return shared_memory.SharedMemory(name, track=False)
-    seg = shared_memory.SharedMemory(name)  # registers even to attach (gh-82300)
-    resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-    return seg
-
-
-def _shm_unlink(name: str) -> bool:
-    """Unlink without telling a tracker (SharedMemory.unlink would unregister a second time). False: gone."""
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _shm_exists(name: str) -> bool:
-    try:
-        fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, mode=0o600)
-    except FileNotFoundError:
-        return False
-    os.close(fd)
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def shm_segments(prefix: str = SHM_PREFIX) -> list[str]:
-    """Names of the shared-memory segments that start with `prefix` ([] where /dev/shm is not listable)."""
-    try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
-    except OSError:
-        return []
-
-
-def sweep_orphans(prefix: str = SHM_PREFIX) -> list[str]:
-    """Unlink the segments whose creator (the pid after `prefix`) is dead: a sender killed before its
-    receiver consumed them. Returns their names."""
-    swept = []
-    for name in shm_segments(prefix):
-        pid = name[len(prefix):].split("_", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)) and _shm_unlink(name):
-            swept.append(name)
-    if swept:
-        logger.info("unlinked %d shared-memory segment(s) left by dead senders", len(swept))
-    return swept
-
-
-def _unlink_all(segments: dict[int, tuple[str, int]]) -> None:
-    for name, _ in segments.values():
-        _shm_unlink(name)
-    segments.clear()
-
-
-# ---- the pool's allocator (bookkeeping only: the memory is a device tensor, or a bytearray in tests) --
-@dataclass(frozen=True)
-class PoolChunk:
-    offset: int
-    size: int  # bytes reserved: the request rounded up to the alignment
-    generation: int  # unique per allocation: (offset, generation) names one use of the chunk
-
-
-class PoolAllocator:
-    """Best fit over aligned ranges of a fixed workspace of `size` bytes; adjacent free ranges merge on
-    free. `free(offset, generation)` frees only the allocation it names, so a stale acknowledgement of
-    an earlier use of the same offset is refused. The bytes in use never exceed the size."""
-
-    def __init__(self, size: int, alignment: int = POOL_ALIGNMENT) -> None:
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two, not {alignment}")
-        self.alignment = alignment
-        self.size = size - size % alignment
-        self._starts: list[int] = [0] if self.size > 0 else []  # free ranges' offsets, sorted
-        self._free: dict[int, int] = {0: self.size} if self.size > 0 else {}  # offset -> length
-        self._live: dict[int, PoolChunk] = {}
-        self._generation = 0
-        self.bytes_in_use = 0
-
-    def allocate(self, nbytes: int) -> PoolChunk | None:
-        """The smallest free range that fits `nbytes` (its start), or None when none does."""
-        if nbytes <= 0:
-            raise ValueError(f"cannot allocate {nbytes} bytes")
-        need = -(-nbytes // self.alignment) * self.alignment
-        best = -1
-        for i, start in enumerate(self._starts):
-            length = self._free[start]
-            if length >= need and (best < 0 or length < self._free[self._starts[best]]):
-                best = i
-                if length == need:
-                    break
-        if best < 0:
-            return None
-        start = self._starts[best]
-        length = self._free.pop(start)
-        if length > need:
-            self._starts[best] = start + need
-            self._free[start + need] = length - need
-        else:
-            del self._starts[best]
-        self._generation += 1
-        chunk = PoolChunk(start, need, self._generation)
-        self._live[start] = chunk
-        self.bytes_in_use += need
-        return chunk
-
-    def free(self, offset: int, generation: int) -> bool:
-        """Return one allocation to the free ranges; False (nothing changes) for one that is not live."""
-        chunk = self._live.get(offset)
-        if chunk is None or chunk.generation != generation:
-            return False
-        del self._live[offset]
-        self.bytes_in_use -= chunk.size
-        start, length = offset, chunk.size
-        i = bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] == start + length:  # merge with the next range
-            length += self._free.pop(self._starts[i])
-            del self._starts[i]
-        if i > 0 and self._starts[i - 1] + self._free[self._starts[i - 1]] == start:  # and the previous
-            self._free[self._starts[i - 1]] += length
-        else:
-            self._starts.insert(i, start)
-            self._free[start] = length
-        return True
-
-    @property
-    def live_chunks(self) -> int:
-        return len(self._live)
-
-    def free_ranges(self) -> list[tuple[int, int]]:
-        return [(s, self._free[s]) for s in self._starts]
 
 
 # ---- arrays in, dtypes ------------------------------------------------------------------------------
@@ -288,173 +127,6 @@ def _torch_dtype(name: str) -> Any:
     if not isinstance(dtype, torch.dtype):
         raise TransportError(f"unknown dtype {name!r}")
     return dtype
-
-
-def _from_numpy(a: np.ndarray) -> Any:
-    import torch
-
-    with warnings.catch_warnings():  # a read-only array is only read here
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(a)
-
-
-# ---- CUDA: every call of the two CUDA modes, in one place (the tests substitute a CPU fake) -----------
-class CudaBackend:
-    """Copies go on one side stream per device; the receiver's copies record an event each, which
-    `query` polls. Releasing a mapped IPC storage makes torch synchronise the *current* stream of its
-    device, so `releasing` makes an idle stream current first (the sync then waits for nothing)."""
-
-    def __init__(self, device: Any = None) -> None:
-        import torch
-
-        self.torch = torch
-        dev = torch.device(device if device is not None else "cuda")
-        if dev.type != "cuda":
-            raise ValueError(f"the CUDA transport modes need a CUDA device, not {dev}")
-        torch.cuda.init()  # _new_shared_cuda may be the process's first CUDA call
-        self.device = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
-        self._streams: dict[int, Any] = {}
-        self._idle: dict[int, Any] = {}
-
-    def stream(self, index: int) -> Any:
-        s = self._streams.get(index)
-        if s is None:
-            s = self._streams[index] = self.torch.cuda.Stream(device=index)
-        return s
-
-    def releasing(self, index: int) -> Any:
-        s = self._idle.get(index)
-        if s is None:
-            s = self._idle[index] = self.torch.cuda.Stream(device=index)
-        return self.torch.cuda.stream(s)
-
-    def _tensor(self, src: Any) -> Any:
-        return _from_numpy(src) if isinstance(src, np.ndarray) else src
-
-    # sender
-    def upload(self, src: Any) -> Any:
-        """A fresh contiguous copy of `src` on the sender's device (from host memory the copy is done when
-        this returns; from a device tensor it is ordered after the caller's stream)."""
-        torch = self.torch
-        t = self._tensor(src)
-        s = self.stream(self.device.index)
-        if t.is_cuda:
-            s.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(s):
-            out = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-            out.copy_(t)
-        if t.is_cuda:
-            t.record_stream(s)
-        return out
-
-    def export(self, t: Any) -> CudaIpcStorage:
-        """The IPC description of `t`'s storage; torch records its event on the current stream, which is
-        the side stream that wrote `t`."""
-        with self.torch.cuda.stream(self.stream(t.device.index)):
-            dev, handle, size, offset, rc, rc_offset, event, sync = t.untyped_storage()._share_cuda_()
-        return CudaIpcStorage(int(dev), bytes(handle), int(size), int(offset), bytes(rc), int(rc_offset),
-                              bytes(event), bool(sync))
-
-    def alloc_pool(self, nbytes: int) -> Any:
-        with self.torch.cuda.stream(self.stream(self.device.index)):
-            return self.torch.empty(nbytes, dtype=self.torch.uint8, device=self.device)
-
-    def write(self, pool: Any, offset: int, src: Any, nbytes: int) -> tuple[Any, bytes]:
-        """Copy `src`'s bytes into pool[offset:], then record an interprocess event after the copy.
-        Returns (what must live until the ack, the event's IPC handle)."""
-        torch = self.torch
-        t = self._tensor(src).reshape(-1).view(torch.uint8)
-        s = self.stream(pool.device.index)
-        if t.is_cuda:
-            s.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(s):
-            pool[offset:offset + nbytes].copy_(t)
-            event = torch.cuda.Event(interprocess=True)
-            event.record(s)
-        if t.is_cuda:
-            t.record_stream(s)
-        return event, bytes(event.ipc_handle())
-
-    def release_counter(self, storage: CudaIpcStorage) -> None:
-        """Drop the receiver's reference in torch's counter (for a receiver that died holding it)."""
-        self.torch.UntypedStorage._release_ipc_counter_cuda(storage.ref_counter_handle, storage.ref_counter_offset)
-
-    # receiver
-    def open_storage(self, s: CudaIpcStorage) -> tuple[Any, Any]:
-        """(a uint8 tensor over the sender's storage, the sender's event to wait on or None). torch's own
-        wait (event_sync_required) would go on the current stream and leak the opened event: ours goes
-        on the copy stream and the event is freed with its object."""
-        torch = self.torch
-        dev = torch.device("cuda", s.device)
-        wait = torch.cuda.Event.from_ipc_handle(dev, s.event_handle) if s.event_sync_required else None
-        storage = torch.UntypedStorage._new_shared_cuda(
-            s.device, s.handle, s.size_bytes, s.offset_bytes, s.ref_counter_handle, s.ref_counter_offset,
-            s.event_handle, False,
-        )
-        return torch.empty(0, dtype=torch.uint8, device=dev).set_(storage), wait
-
-    def open_event(self, index: int, handle: bytes) -> Any:
-        return self.torch.cuda.Event.from_ipc_handle(self.torch.device("cuda", index), handle)
-
-    def copy_out(self, src: Any, waits: list[Any], device: Any) -> tuple[Any, Any]:
-        """A copy of `src` on `device`, after `waits`: (the tensor, its copy's event, None when the copy
-        already finished). On a CUDA device the copy runs on the copy stream, into memory allocated
-        there; the caller's current stream waits for it, and the tensor is marked as used by that stream
-        so that its block is not reused before the caller is done with it."""
-        torch = self.torch
-        dev = torch.device(device)
-        if dev.type == "cuda":
-            if dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            cs = self.stream(dev.index)
-            current = torch.cuda.current_stream(dev)
-            with torch.cuda.stream(cs):
-                for event in waits:
-                    cs.wait_event(event)
-                out = torch.empty(src.shape, dtype=src.dtype, device=dev)
-                out.copy_(src, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(cs)
-            current.wait_event(done)
-            out.record_stream(current)
-            return out, done
-        cs = self.stream(src.device.index)
-        with torch.cuda.stream(cs):
-            for event in waits:
-                cs.wait_event(event)
-            out = src.to(dev)  # a blocking copy to the host: finished when it returns
-        return out, None
-
-    def from_host(self, src: Any, device: Any) -> Any:
-        """A copy of host tensor `src` on CUDA `device`, finished when this returns (a blocking copy on the
-        copy stream: the caller's stream, busy with the model, is not synchronised)."""
-        torch = self.torch
-        dev = torch.device(device)
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        current = torch.cuda.current_stream(dev)
-        with torch.cuda.stream(self.stream(dev.index)):
-            out = torch.empty(src.shape, dtype=src.dtype, device=dev)
-            out.copy_(src)
-        out.record_stream(current)
-        return out
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def synchronize(self, event: Any) -> None:
-        event.synchronize()
-
-
-def _cuda_backend(device: Any) -> CudaBackend | None:
-    """A CudaBackend, or None where torch has no CUDA."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    if not torch.cuda.is_available():
-        return None
-    return CudaBackend(device)
 
 
 # ---- sender ---------------------------------------------------------------------------------------------
@@ -507,16 +179,16 @@ class TensorSender:
         self._fallbacks = {"pool_full": 0, "ipc_full": 0}
         self._stale = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, _unlink_all, self._shm)  # also at interpreter exit
+        self._finalizer = weakref.finalize(self, shm.unlink_all, self._shm)  # also at interpreter exit
         if sweep:
-            sweep_orphans(name_prefix)
+            shm.sweep_orphans(name_prefix)
         self._backend: Any = None
         self._pool: Any = None
         self._pool_export: CudaIpcStorage | None = None
         self._alloc: PoolAllocator | None = None
         self.pool_id = 0
         if requested != "default":
-            self._backend = backend if backend is not None else _cuda_backend(device)
+            self._backend = backend if backend is not None else cuda_backend(device)
             if self._backend is None:
                 self._fall_back("default", "CUDA is not available")
         if self.mode == "cuda_ipc_pool":
@@ -587,7 +259,7 @@ class TensorSender:
         flat = _host_bytes(src)
         self._seq += 1
         name = f"{self._tag}{self._seq}"
-        seg = _shm_create(name, nbytes)
+        seg = shm.create(name, nbytes)
         self._shm[hid] = (name, nbytes)
         try:
             dst = np.ndarray((nbytes,), np.uint8, buffer=seg.buf)
@@ -595,7 +267,7 @@ class TensorSender:
             del dst
         except BaseException:
             del self._shm[hid]
-            _shm_unlink(name)
+            shm.unlink(name)
             raise
         finally:
             seg.close()
@@ -604,7 +276,7 @@ class TensorSender:
 
     def _sweep(self) -> None:
         """Forget the segments the receiver unlinked without an ack reaching us."""
-        for hid in [h for h, (name, _) in self._shm.items() if not _shm_exists(name)]:
+        for hid in [h for h, (name, _) in self._shm.items() if not shm.exists(name)]:
             del self._shm[hid]
 
     def on_ack(self, ack: TransportAck) -> None:
@@ -619,7 +291,7 @@ class TensorSender:
     def reset(self) -> None:
         """The receiver is gone (the scheduler restarted): release everything in flight. A handle still
         queued for the new receiver then fails to receive (its request was failed with the old one)."""
-        _unlink_all(self._shm)
+        shm.unlink_all(self._shm)
         for _, export, _ in self._ipc.values():
             with contextlib.suppress(Exception):
                 self._backend.release_counter(export)  # or torch keeps the block in limbo for ever
@@ -688,7 +360,7 @@ class TensorReceiver:
 
     def _cuda(self) -> Any:
         if self._backend is None:
-            self._backend = _cuda_backend(None)
+            self._backend = cuda_backend(None)
             if self._backend is None:
                 raise TransportError("a CUDA tensor handle arrived but this process has no CUDA")
         return self._backend
@@ -750,17 +422,18 @@ class TensorReceiver:
         if not _NAME.fullmatch(h.name):
             raise TransportError(f"bad shared-memory segment name {h.name!r}")
         try:
-            seg = _shm_attach(h.name)
+            seg = shm.attach(h.name)
         except FileNotFoundError as e:
             raise TransportError(f"shared-memory segment {h.name} is gone (its sender closed or reset)") from e
         try:
             if seg.size < h.nbytes:
                 raise TransportError(f"shared-memory segment {h.name} holds {seg.size} bytes, not {h.nbytes}")
+            assert seg.buf is not None  # an attached segment is mapped
             return self._copy_from_buffer(seg.buf, h, dtype, device)
         finally:
             with contextlib.suppress(BufferError):  # a view held by a failed copy's traceback
                 seg.close()
-            _shm_unlink(h.name)  # whatever happened, this receiver was the segment's last user
+            shm.unlink(h.name)  # whatever happened, this receiver was the segment's last user
             self._ready.append(h.id)
 
     def _copy_from_buffer(self, buf: memoryview, h: ShmTensor, dtype: Any, device: Any) -> Any:
@@ -815,103 +488,3 @@ class TensorReceiver:
             _, pool = self._pools.popitem()
             with self._backend.releasing(pool.device.index):
                 del pool
-
-
-# ---- the start-up probe and the mode in use ----------------------------------------------------------
-def _tegra() -> bool:
-    return any(os.path.exists(p) for p in TEGRA_MARKERS)
-
-
-def probe_cuda_ipc(device: str = "cuda:0", timeout: float = 120.0) -> str | None:
-    """None when CUDA IPC works between two processes on `device`, else why not. A Tegra device
-    (Jetson) is reported without trying: its legacy CUDA IPC is unsupported. Otherwise a child process
-    checks for CUDA and an integrated GPU, then sends a tensor by cuda_ipc to a grandchild that checks
-    its bytes; the caller never initialises CUDA itself. `timeout` bounds the whole round trip."""
-    if _tegra():
-        return "Tegra (Jetson) integrated GPU: legacy CUDA IPC is unsupported"
-    cmd = [sys.executable, "-m", "mllmd.multimodal.transport", "probe", str(device), str(timeout)]
-    try:
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout + 10)
-    except subprocess.TimeoutExpired:
-        return f"the CUDA IPC probe did not finish in {timeout:g} s"
-    lines = run.stdout.strip().splitlines()
-    try:
-        return json.loads(lines[-1])["reason"]
-    except (IndexError, ValueError, KeyError, TypeError):
-        tail = (run.stderr.strip().splitlines() or [f"exit status {run.returncode}"])[-1]
-        return f"the CUDA IPC probe failed: {tail}"
-
-
-def resolve_mode(requested: str, probe_reason: str | None) -> tuple[str, str | None]:
-    """The mode to use and the line to log when it is not the requested one (probe_reason: what
-    probe_cuda_ipc said; unused for `default`)."""
-    if requested not in MODES:
-        raise ValueError(f"tensor transport mode must be one of {', '.join(MODES)}, not {requested!r}")
-    if requested == "default" or probe_reason is None:
-        return requested, None
-    return "default", (f"ipc.tensor_transport_mode {requested}: CUDA IPC is unavailable ({probe_reason}); "
-                       "using default (CPU shared memory)")
-
-
-_PROBE_BYTES = (1 << 20) + 3
-
-
-def _probe_pattern() -> np.ndarray:
-    return (np.arange(_PROBE_BYTES, dtype=np.int64) % 251).astype(np.uint8)
-
-
-def _probe_sender(device: str, timeout: float) -> str | None:
-    deadline = time.monotonic() + timeout
-    import torch
-
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return f"{device} is not a CUDA device"
-    props = torch.cuda.get_device_properties(dev.index or 0)
-    if getattr(props, "is_integrated", False):
-        return f"{props.name} is an integrated GPU: legacy CUDA IPC is unsupported"
-    with TensorSender("cuda_ipc", dev, sweep=False) as sender:
-        handle = sender.send(_probe_pattern())
-        if not isinstance(handle, CudaIpcTensor):
-            return f"could not export a CUDA tensor ({sender.fallback_reason})"
-        cmd = [sys.executable, "-m", "mllmd.multimodal.transport", "probe-receive", device]
-        try:
-            run = subprocess.run(cmd, input=msgspec.msgpack.encode(handle), capture_output=True,
-                                 timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return f"the receiving process did not finish in {timeout:g} s"
-        if run.returncode != 0 or run.stdout.strip() != b"ok":
-            tail = (run.stderr.decode(errors="replace").strip().splitlines() or [run.stdout.decode(errors="replace")])
-            return f"the receiving process could not read the tensor: {tail[-1].strip()}"
-    return None
-
-
-def _probe_receiver(device: str) -> None:
-    import torch
-
-    handle = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=TensorHandle)
-    receiver = TensorReceiver()
-    got = receiver.receive(handle, device)
-    torch.cuda.synchronize()
-    ok = torch.equal(got.cpu(), torch.from_numpy(_probe_pattern()))
-    receiver.close()
-    sys.stdout.write("ok" if ok else "the bytes differ")
-
-
-def _main(argv: list[str]) -> None:
-    if argv[:1] == ["probe"] and len(argv) == 3:
-        try:
-            reason = _probe_sender(argv[1], float(argv[2]))
-        except Exception as e:
-            reason = f"{type(e).__name__}: {e}"
-        print(json.dumps({"reason": reason}))
-    elif argv[:1] == ["probe-receive"] and len(argv) == 2:
-        _probe_receiver(argv[1])
-    else:
-        raise SystemExit("usage: python -m mllmd.multimodal.transport probe DEVICE TIMEOUT")
-
-
-if __name__ == "__main__":
-    _main(sys.argv[1:])

@@ -22,7 +22,8 @@ from mllmd.multimodal.chat import VisionPrompt, build_vision_prompt, image_parts
 from mllmd.multimodal.image_io import ImageLimits
 from mllmd.multimodal.image_processing import VisionPreprocessConfig
 from mllmd.multimodal.prompt import VisionTokenIds
-from mllmd.multimodal.transport import TensorSender, probe_cuda_ipc, resolve_mode
+from mllmd.multimodal.transport import TensorSender
+from mllmd.multimodal.transport_probe import probe_cuda_ipc, resolve_mode
 
 logger = logging.getLogger("tokenizer")
 

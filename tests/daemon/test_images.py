@@ -17,7 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
-from mllmd.multimodal.transport import shm_segments
+from mllmd.multimodal.shm import segments as shm_segments
 from mllmd.testing import checkpoints as ck
 from tests.daemon.conftest import DaemonProc, start_daemon, stop_and_check
 

@@ -32,18 +32,12 @@ from mllmd.messages import (
     decoder,
     encode,
 )
-from mllmd.multimodal import transport
-from mllmd.multimodal.transport import (
-    PoolAllocator,
-    TensorReceiver,
-    TensorSender,
-    TransportError,
-    TransportFull,
-    probe_cuda_ipc,
-    resolve_mode,
-    shm_segments,
-    sweep_orphans,
-)
+from mllmd.multimodal import shm, transport, transport_probe
+from mllmd.multimodal.pool_allocator import POOL_ALIGNMENT, PoolAllocator
+from mllmd.multimodal.shm import segments as shm_segments
+from mllmd.multimodal.shm import sweep_orphans
+from mllmd.multimodal.transport import TensorReceiver, TensorSender, TransportError, TransportFull
+from mllmd.multimodal.transport_probe import probe_cuda_ipc, resolve_mode
 from tests.multimodal.transport_peer import digest, rss, tensor_digest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,7 +142,7 @@ def prefix():
     yield name
     left = shm_segments(name)
     for seg in left:
-        transport._shm_unlink(seg)
+        shm.unlink(seg)
     assert not left, f"segments left behind: {left}"
 
 
@@ -261,10 +255,10 @@ def test_orphans_of_dead_senders_are_swept(prefix):
     dead.wait()
     orphan, alive = f"{prefix}{dead.pid}_aa_1", f"{prefix}{os.getppid()}_bb_1"
     for name in (orphan, alive):
-        transport._shm_create(name, 16).close()
+        shm.create(name, 16).close()
     assert sweep_orphans(prefix) == [orphan]
     assert shm_segments(prefix) == [alive]
-    transport._shm_unlink(alive)
+    shm.unlink(alive)
 
 
 def test_unacknowledged_segments_are_bounded(prefix):
@@ -359,16 +353,16 @@ def test_probe_without_cuda():
 def test_probe_does_not_try_on_tegra(tmp_path, monkeypatch):
     marker = tmp_path / "nv_tegra_release"
     marker.write_text("# R36 (release), REVISION: 4.0\n")
-    monkeypatch.setattr(transport, "TEGRA_MARKERS", (str(marker),))
-    monkeypatch.setattr(transport.subprocess, "run", lambda *a, **k: pytest.fail("the probe must not start a process"))
+    monkeypatch.setattr(transport_probe, "TEGRA_MARKERS", (str(marker),))
+    monkeypatch.setattr(transport_probe.subprocess, "run", lambda *a, **k: pytest.fail("the probe must not start a process"))
     reason = probe_cuda_ipc("cuda:0")
     assert "Tegra" in reason and "unsupported" in reason
     assert resolve_mode("cuda_ipc_pool", reason)[0] == "default"
 
 
 def test_probe_reports_a_child_that_fails(monkeypatch):
-    monkeypatch.setattr(transport, "TEGRA_MARKERS", ())
-    monkeypatch.setattr(transport.sys, "executable", "/bin/false")
+    monkeypatch.setattr(transport_probe, "TEGRA_MARKERS", ())
+    monkeypatch.setattr(transport_probe.sys, "executable", "/bin/false")
     assert probe_cuda_ipc("cuda:0", timeout=5).startswith("the CUDA IPC probe failed")
 
 
@@ -526,7 +520,7 @@ def test_pool_round_trip_acks_only_completed_copies(prefix):
     xs = [image(i) for i in range(3)] + [torch.randn(4, 6).to(torch.bfloat16)]
     hs = [sender.send(x) for x in xs]
     assert all(isinstance(h, PoolTensor) and h.pool_id == sender.pool_id for h in hs)
-    assert len({h.offset for h in hs}) == 4 and all(h.offset % transport.POOL_ALIGNMENT == 0 for h in hs)
+    assert len({h.offset for h in hs}) == 4 and all(h.offset % POOL_ALIGNMENT == 0 for h in hs)
     outs = [receiver.receive(h, "cpu") for h in hs]
     assert receiver.pending_acks() is None and receiver.in_flight == 4  # copies enqueued, not finished
     fake.run()
