@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -94,14 +95,22 @@ class Engine:
         self._inflight: _Launched | None = None  # overlap: the batch whose tokens are on their way
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._grammars_ready: concurrent.futures.Future[GrammarCompiler] | None = None  # prepare_grammars
+        # With defer_grammars (the scheduler worker sets it), a request whose grammar is not compiled yet
+        # waits here, off the step loop, instead of stalling every running request while it compiles.
+        self.defer_grammars = False
+        self._compiling: dict[str, tuple[concurrent.futures.Future, Req, float]] = {}  # rid -> (compile, req, deadline)
+        self._admitted_late: list[str] = []  # rids whose grammar compiled since take_admitted
+        self._refused_late: list[tuple[str, AdmissionError]] = []  # rids whose grammar could not (take_refused)
 
     # ---- admission ---------------------------------------------------------------------------
     def add_request(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, images: list[EngineImage] | None = None
-    ) -> None:
+    ) -> bool:
         """Queue a request; AdmissionError (naming the numbers) if it can never be served. `images`: the
-        prompt's images in order, each over its run of image tokens (vision-language models)."""
-        if rid in self.reqs:
+        prompt's images in order, each over its run of image tokens (vision-language models). Returns
+        False when, with `defer_grammars`, the request waits for its grammar: a later step admits it
+        (`take_admitted`) or refuses it (`take_refused`)."""
+        if rid in self.reqs or rid in self._compiling:
             raise AdmissionError(f"request id {rid!r} is already in use")
         info = self.info
         try:
@@ -130,9 +139,55 @@ class Engine:
         if mrope is not None:
             req.mrope_positions, req.mrope_delta = mrope
         if params.constraint is not None:
-            req.grammar = self._grammar_for(params.constraint)
+            if self.defer_grammars:
+                compiler = self._compiler()
+                compiled = compiler.lookup(params.constraint)
+                if compiled is None:
+                    deadline = time.monotonic() + compiler.timeout_s
+                    self._compiling[rid] = (compiler.submit(params.constraint), req, deadline)
+                    return False
+                req.grammar = self._request_grammar(compiled, params.constraint)
+            else:
+                req.grammar = self._grammar_for(params.constraint)
         self.reqs[rid] = req
         self.scheduler.add(req)
+        return True
+
+    def _admit_compiled(self) -> None:
+        """Queue the deferred requests whose grammar has compiled; refuse those whose grammar failed or
+        outlived the compile timeout (its thread runs on: later compilations queue behind it)."""
+        now = time.monotonic()
+        for rid, (future, req, deadline) in list(self._compiling.items()):
+            if not future.done() and now < deadline:
+                continue
+            del self._compiling[rid]
+            assert req.params.constraint is not None and self._grammars is not None
+            try:
+                if not future.done():
+                    future.cancel()  # one still queued never runs
+                    raise self._grammars.timeout_error(req.params.constraint)
+                req.grammar = self._request_grammar(future.result(), req.params.constraint)
+            except GrammarError as e:
+                self._refused_late.append((rid, AdmissionError(str(e), e.param)))
+                continue
+            self.reqs[rid] = req
+            self.scheduler.add(req)
+            self._admitted_late.append(rid)
+
+    @property
+    def compiling_grammars(self) -> int:
+        """Requests waiting for their grammar (defer_grammars)."""
+        return len(self._compiling)
+
+    def take_admitted(self) -> list[str]:
+        """Deferred requests queued by the steps since the last call (before their first output)."""
+        out, self._admitted_late = self._admitted_late, []
+        return out
+
+    def take_refused(self) -> list[tuple[str, AdmissionError]]:
+        """Deferred requests whose grammar could not be compiled since the last call (no output follows)."""
+        out, self._refused_late = self._refused_late, []
+        return out
 
     def prepare_grammars(self) -> None:
         """Build the structured-output compiler on a background thread now (about a second for a 151k
@@ -146,8 +201,8 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer_path or self.config.model_path)
         return GrammarCompiler(tokenizer, self.info.vocab_size)
 
-    def _grammar_for(self, c: OutputConstraint) -> RequestGrammar:
-        """A matcher for a constrained request (the compiler, with the model's tokenizer, built once)."""
+    def _compiler(self) -> GrammarCompiler:
+        """The structured-output compiler, with the model's tokenizer, built once."""
         if self._grammars is None:
             self.prepare_grammars()
             assert self._grammars_ready is not None
@@ -155,14 +210,23 @@ class Engine:
                 self._grammars = self._grammars_ready.result()
             except Exception as e:  # xgrammar missing, or a tokenizer it cannot read
                 raise AdmissionError(f"structured outputs are unavailable here: {e}", "response_format") from None
+        return self._grammars
+
+    def _grammar_for(self, c: OutputConstraint) -> RequestGrammar:
+        """A matcher for a constrained request, compiled now (the offline path)."""
         try:
-            compiled = self._grammars.compile(c)
+            compiled = self._compiler().compile(c)
         except GrammarError as e:
             raise AdmissionError(str(e), e.param) from None
+        return self._request_grammar(compiled, c)
+
+    def _request_grammar(self, compiled: Any, c: OutputConstraint) -> RequestGrammar:
         return RequestGrammar(compiled, self.info.eos_token_ids, c.starts_after_token)
 
     def abort(self, rid: str) -> bool:
         """Stop a request now and free its memory; its final output says finish_reason "abort"."""
+        if self._compiling.pop(rid, None) is not None:  # never queued, never reported: nothing to end
+            return True
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return False
@@ -188,6 +252,8 @@ class Engine:
         With `overlap_schedule`, the tokens of this step's batch are reported by the next call: the
         host schedules and launches batch N+1 while the device still runs batch N (see _Launched).
         """
+        if self._compiling:
+            self._admit_compiled()
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._inflight is not None and not self._can_overlap():
             outputs += self._complete(self._inflight)

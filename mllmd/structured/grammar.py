@@ -7,7 +7,10 @@ llguidance's 100 ms a step inside a free string); it has aarch64 wheels for Pyth
 
 Used twice: the tokenizer worker compiles a request's constraint before the request is accepted (a
 schema that does not compile is the client's 400, with xgrammar's reason), and the engine compiles
-it again for its matchers (the same cache key; a few tens of milliseconds a new schema).
+it again for its matchers (the same cache key; a few tens of milliseconds a new schema). Neither
+waits for a compilation in its loop: the request waits (parked in the tokenizer worker, deferred in
+the engine) while the others go on, since a schema may take seconds to compile (a 20,000-value enum
+took 4.5 s on a 2-core machine) and would otherwise stall every stream that runs.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ class GrammarError(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _param(c: OutputConstraint) -> str:
+    """The request field a constraint came from."""
+    return "tool_choice" if c.kind == "tool_calls" else "response_format"
 
 
 def _reason(exc: BaseException) -> str:
@@ -108,9 +116,11 @@ def build_grammar(xgr: Any, c: OutputConstraint) -> Any:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe; an LRU of compiled grammars by constraint.
 
-    Each compilation runs on one background thread and is waited for at most `timeout_s`; one that
-    takes longer is refused (its thread finishes on its own, and later compilations queue behind it,
-    so a hostile schema costs one thread, never more)."""
+    Every compilation runs on one background thread. `compile` waits for it at most `timeout_s`;
+    `submit` returns its future, for a caller that must not wait (the tokenizer worker and the
+    engine's step loop keep serving other requests meanwhile). A compilation that outlives its wait
+    is refused (its thread finishes on its own, and later compilations queue behind it, so a hostile
+    schema costs one thread, never more)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
                  cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
@@ -129,33 +139,53 @@ class GrammarCompiler:
 
     def compile(self, c: OutputConstraint) -> Any:
         """The CompiledGrammar of `c`; GrammarError naming the request field when it cannot be built."""
+        hit = self.lookup(c)
+        if hit is not None:
+            return hit
+        try:
+            return self.submit(c).result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise self.timeout_error(c) from None
+
+    def lookup(self, c: OutputConstraint) -> Any | None:
+        """`c`'s CompiledGrammar if it is cached, else None."""
         key = c.cache_key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
-        param = "tool_choice" if c.kind == "tool_calls" else "response_format"
-        future = self._pool.submit(self._compile, c)
+            return hit
+
+    def submit(self, c: OutputConstraint) -> concurrent.futures.Future[Any]:
+        """Compile `c` on the background thread: the future's result is the CompiledGrammar (cached), or
+        it raises GrammarError naming the request field. The caller bounds its wait (`timeout_error`)."""
+        return self._pool.submit(self._compile_and_cache, c)
+
+    def timeout_error(self, c: OutputConstraint) -> GrammarError:
+        param = _param(c)
+        return GrammarError(f"the {param} grammar took longer than {self.timeout_s:g} s to compile", param)
+
+    def _compile_and_cache(self, c: OutputConstraint) -> Any:
+        hit = self.lookup(c)  # queued behind a compilation of the same constraint
+        if hit is not None:
+            return hit
         try:
-            compiled = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise GrammarError(f"the {param} grammar took longer than {self.timeout_s:g} s to compile", param) from None
+            compiled = self._compiler.compile_grammar(build_grammar(self.xgr, c))
         except GrammarError:
             raise
         except Exception as e:  # xgrammar's RuntimeError / ValueError: the schema's fault
+            param = _param(c)
             raise GrammarError(f"the {param} schema cannot be compiled: {_reason(e)}", param) from None
         with self._lock:
-            self._cache[key] = compiled
-            self._cached_bytes += compiled.memory_size_bytes
+            key = c.cache_key()
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self._cached_bytes += compiled.memory_size_bytes
             while len(self._cache) > 1 and (len(self._cache) > MAX_CACHED_GRAMMARS
                                              or self._cached_bytes > self.cache_bytes):
                 _, old = self._cache.popitem(last=False)
                 self._cached_bytes -= old.memory_size_bytes
         return compiled
-
-    def _compile(self, c: OutputConstraint) -> Any:
-        return self._compiler.compile_grammar(build_grammar(self.xgr, c))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -188,7 +188,10 @@ def _images(msg: GenerateRequest, receiver: Any, device: Any) -> list[Any]:
 
 
 def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: WorkerContext,
-           to_detok: zmq.Socket[Any], receiver: Any = None, clock: RequestClock | None = None) -> None:
+           to_detok: zmq.Socket[Any], receiver: Any = None, clock: RequestClock | None = None,
+           deferred: dict[str, tuple[GenerateRequest, float]] | None = None) -> None:
+    """One message from main or the tokenizer. A request whose grammar is still compiling waits in
+    `deferred` (with its arrival time) until `admit_deferred` registers it."""
     from mllmd.engine.request import AdmissionError
 
     logger.debug("%s", type(msg).__name__)
@@ -198,20 +201,44 @@ def handle(msg: GenerateRequest | AbortRequest | FlushCache, engine: Any, wctx: 
         except Exception as e:  # the tokenizer's copy is gone (a restarted tokenizer), or a bad handle
             wctx.send_main(RequestFailed(msg.rid, "unavailable", f"the request's images could not be received: {e}"))
             return
+        arrived = time.perf_counter()
         try:
-            engine.add_request(msg.rid, msg.input_ids, msg.params, images)
+            queued = engine.add_request(msg.rid, msg.input_ids, msg.params, images)
         except AdmissionError as e:
             wctx.send_main(RequestFailed(msg.rid, "invalid_request", str(e), e.param))
             return
-        if clock is not None:
-            clock.received(msg.rid, time.perf_counter(), msg.t_submit, msg.t_tokenized)
-        p = msg.params
-        to_detok.send(encode(RegisterRequest(msg.rid, msg.input_ids, p.stop, p.skip_special_tokens, msg.meta)))
+        if queued is False and deferred is not None:  # its grammar compiles off the step loop
+            deferred[msg.rid] = (msg, arrived)
+            return
+        _register(msg, arrived, to_detok, clock)
     elif isinstance(msg, AbortRequest):
+        if deferred is not None:
+            deferred.pop(msg.rid, None)
         engine.abort(msg.rid)
     else:
         freed = engine.flush_cache()
         wctx.send_main(ControlResult("flush_cache", msg.id, freed))
+
+
+def _register(msg: GenerateRequest, arrived: float, to_detok: zmq.Socket[Any], clock: RequestClock | None) -> None:
+    """A queued request: its clock starts, the detokenizer learns its prompt and stop strings."""
+    if clock is not None:
+        clock.received(msg.rid, arrived, msg.t_submit, msg.t_tokenized)
+    p = msg.params
+    to_detok.send(encode(RegisterRequest(msg.rid, msg.input_ids, p.stop, p.skip_special_tokens, msg.meta)))
+
+
+def admit_deferred(engine: Any, wctx: WorkerContext, to_detok: zmq.Socket[Any], clock: RequestClock | None,
+                   deferred: dict[str, tuple[GenerateRequest, float]]) -> None:
+    """After a step: register the requests it queued once their grammar compiled (before the step's
+    outputs go out), and fail those whose grammar could not be compiled."""
+    for rid in engine.take_admitted():
+        entry = deferred.pop(rid, None)
+        if entry is not None:
+            _register(entry[0], entry[1], to_detok, clock)
+    for rid, e in engine.take_refused():
+        deferred.pop(rid, None)
+        wctx.send_main(RequestFailed(rid, "invalid_request", str(e), e.param))
 
 
 def run(wctx: WorkerContext) -> None:
@@ -223,6 +250,8 @@ def run(wctx: WorkerContext) -> None:
         config = config.replace(cpu_threads=max(1, (os.cpu_count() or 1) - 1))
     engine = Engine(config)
     engine.prepare_grammars()  # structured outputs' compiler, built while the first requests arrive
+    engine.defer_grammars = True  # a grammar compiles while the running requests keep decoding
+    deferred: dict[str, tuple[GenerateRequest, float]] = {}
     inbox = ipc.pull(wctx.ctx, wctx.ipc_dir, ipc.SCHEDULER)
     to_detok = ipc.push(wctx.ctx, wctx.ipc_dir, ipc.DETOKENIZER)
     receiver = to_tokenizer = None
@@ -247,13 +276,13 @@ def run(wctx: WorkerContext) -> None:
     poller.register(inbox, zmq.POLLIN)
     trace = StepTrace.from_env(engine)
     decode = decoder(SchedulerInbox).decode
-    wctx.count_requests = lambda: len(engine.reqs)
+    wctx.count_requests = lambda: len(engine.reqs) + engine.compiling_grammars
     last_stats = 0.0
     clock = RequestClock()
     trim = _malloc_trim()
     last_work, trimmed = time.monotonic(), True
     while not wctx.stopping:
-        timeout = 0 if engine.has_unfinished() else 50
+        timeout = 0 if engine.has_unfinished() else 5 if engine.compiling_grammars else 50
         t0 = time.perf_counter()
         while dict(poller.poll(timeout)).get(inbox):
             data = inbox.recv()
@@ -267,11 +296,13 @@ def run(wctx: WorkerContext) -> None:
                 continue
             if trace is not None and isinstance(msg, GenerateRequest):
                 trace.received(msg)
-            handle(msg, engine, wctx, to_detok, receiver, clock)
+            handle(msg, engine, wctx, to_detok, receiver, clock, deferred)
             timeout = 0
         t1 = time.perf_counter()
         outputs = engine.step()
         t2 = time.perf_counter()
+        if deferred:
+            admit_deferred(engine, wctx, to_detok, clock, deferred)
         outputs = clock.after_step(engine, outputs, t1, t2)
         if outputs:
             to_detok.send(encode(TokenOutputs(outputs)))

@@ -12,6 +12,7 @@ sent to the scheduler by the tensor transport (whose TransportAcks arrive in thi
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import time
@@ -40,7 +41,7 @@ from mllmd.models import load_hf_config
 from mllmd.multimodal.chat import VisionPrompt, image_parts
 from mllmd.multimodal.image_io import ImageError
 from mllmd.multimodal.transport import TransportFull
-from mllmd.sampling_params import InvalidSamplingParam, choice_params, fit_max_tokens
+from mllmd.sampling_params import InvalidSamplingParam, OutputConstraint, choice_params, fit_max_tokens
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
@@ -100,7 +101,8 @@ def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, co
 
 class Grammars:
     """The structured-output compiler of this tokenizer (built at the first constrained request:
-    xgrammar's view of a 151k vocabulary takes about a second)."""
+    xgrammar's view of a 151k vocabulary takes about a second). A constraint that is not cached
+    compiles on the compiler's thread while this worker goes on with other requests (`Parked`)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -109,20 +111,40 @@ class Grammars:
         think_end = tokenizer.convert_tokens_to_ids(THINK_END)
         self.think_end: int | None = think_end if isinstance(think_end, int) and think_end != tokenizer.unk_token_id else None
 
+    @property
+    def compiler(self) -> GrammarCompiler:
+        if self._compiler is None:
+            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._compiler
+
+    def start(self, c: OutputConstraint) -> concurrent.futures.Future[Any] | None:
+        """None when `c` is compiled already, else its compilation (GrammarError from the future when
+        it cannot be built)."""
+        return None if self.compiler.lookup(c) is not None else self.compiler.submit(c)
+
     def constrain(self, req: TokenizeRequest, meta: PromptMeta) -> TokenizeRequest:
-        """Compile the request's constraint (GrammarError, the client's fault, if it cannot be); a
-        prompt that opens a reasoning block gets the grammar only after the block's end."""
+        """The request with its constraint placed: a prompt that opens a reasoning block gets the
+        grammar only after the block's end."""
         c = req.params.constraint
         if c is None:
             return req
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(self.tokenizer, self.vocab_size)
-        self._compiler.compile(c)
         start = self.think_end if meta.starts_in_reasoning else None
         if start == c.starts_after_token:
             return req
         params = dataclasses.replace(req.params, constraint=dataclasses.replace(c, starts_after_token=start))
         return msgspec.structs.replace(req, params=params)
+
+
+@dataclasses.dataclass
+class Parked:
+    """A tokenized request waiting for its grammar to compile (`finish_parked` sends it on)."""
+
+    req: TokenizeRequest
+    ids: list[int]
+    meta: PromptMeta
+    send_images: Callable[[], list[Any]] | None
+    compiling: concurrent.futures.Future[Any]
+    deadline: float
 
 
 def tokenize_only(tokenizer: Any, msg: TokenizeOnly, chat_template: str | None = None) -> TokenizeResult:
@@ -179,9 +201,12 @@ def run(wctx: WorkerContext) -> None:
     decode = decoder(TokenizerInbox).decode
     wctx.ready(context_length=context_length, transport=vision.mode if vision else None,
                transport_fallback=vision.sender.fallback_reason if vision else None)
+    parked: list[Parked] = []  # requests whose grammar compiles
     try:
         while not wctx.stopping:
-            if not inbox.poll(100):
+            if parked:
+                finish_parked(parked, grammars, context_length, wctx, to_sched)
+            if not inbox.poll(5 if parked else 100):
                 continue
             data = inbox.recv()
             try:
@@ -199,46 +224,83 @@ def run(wctx: WorkerContext) -> None:
             if isinstance(msg, TokenizeOnly):
                 wctx.send_main(tokenize_only(tokenizer, msg, chat_template))
                 continue
-            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars)
+            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars, parked)
     finally:
         if vision is not None:
             vision.close()
 
 
 def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, chat_template: str | None,
-           context_length: int, wctx: WorkerContext, to_sched: Any, grammars: Grammars | None = None) -> None:
-    """Tokenize one request and send its choices on, or tell main why it failed."""
+           context_length: int, wctx: WorkerContext, to_sched: Any, grammars: Grammars | None = None,
+           parked: list[Parked] | None = None) -> None:
+    """Tokenize one request and send its choices on, or tell main why it failed. With `parked`, a
+    request whose grammar is not compiled yet waits there instead of holding up the requests behind it."""
     logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
     try:
+        send_images = None
         if vision is not None and vision.wants(req.prompt):
             ids, meta, built = tokenize_with_images(tokenizer, req, vision, chat_template)
-            if grammars is not None:
-                req = grammars.constrain(req, meta)
-            out = generate_requests(req, ids, meta, context_length, lambda: vision.send(built))
+            send_images = lambda: vision.send(built)  # noqa: E731
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
         else:
             ids, meta = tokenize(tokenizer, req, chat_template)
-            if grammars is not None:
-                req = grammars.constrain(req, meta)
-            out = generate_requests(req, ids, meta, context_length)
-    except GrammarError as e:
-        wctx.send_main(RequestFailed(req.group, "invalid_request", str(e), e.param))
-        return
-    except InvalidSamplingParam as e:
-        wctx.send_main(RequestFailed(req.group, "invalid_request", str(e), e.param))
-        return
-    except ImageError as e:
-        wctx.send_main(RequestFailed(req.group, "invalid_request", e.message, req.prompt_param))
-        return
-    except TransportFull as e:
-        wctx.send_main(RequestFailed(req.group, "unavailable", f"too many images in flight: {e}"))
-        return
-    except Exception as e:  # a template or tokenizer error is the request's fault
-        wctx.send_main(RequestFailed(req.group, "invalid_request", f"could not build the prompt: {e}"))
+        c = req.params.constraint
+        if grammars is not None and c is not None:
+            req = grammars.constrain(req, meta)
+            compiling = grammars.start(c)
+            if compiling is not None:
+                deadline = time.monotonic() + grammars.compiler.timeout_s
+                if parked is not None:
+                    parked.append(Parked(req, ids, meta, send_images, compiling, deadline))
+                    return
+                _wait(compiling, grammars.compiler, c)
+        out = generate_requests(req, ids, meta, context_length, send_images)
+    except Exception as e:
+        wctx.send_main(_failure(req, e))
         return
     for gen in out:
         to_sched.send(encode(gen))
+
+
+def finish_parked(parked: list[Parked], grammars: Grammars, context_length: int, wctx: WorkerContext,
+                  to_sched: Any) -> None:
+    """Send on the parked requests whose grammar compiled; fail those whose grammar could not be
+    compiled or outlived the compile timeout (its thread runs on; later compilations queue behind it)."""
+    now = time.monotonic()
+    for p in [p for p in parked if p.compiling.done() or now >= p.deadline]:
+        parked.remove(p)
+        try:
+            if not p.compiling.done():
+                p.compiling.cancel()  # one still queued never runs: a flood costs one thread, not a queue
+                assert p.req.params.constraint is not None
+                raise grammars.compiler.timeout_error(p.req.params.constraint)
+            p.compiling.result()
+            out = generate_requests(p.req, p.ids, p.meta, context_length, p.send_images)
+        except Exception as e:
+            wctx.send_main(_failure(p.req, e))
+            continue
+        for gen in out:
+            to_sched.send(encode(gen))
+
+
+def _wait(compiling: concurrent.futures.Future[Any], compiler: GrammarCompiler, c: OutputConstraint) -> None:
+    try:
+        compiling.result(timeout=compiler.timeout_s)
+    except concurrent.futures.TimeoutError:
+        raise compiler.timeout_error(c) from None
+
+
+def _failure(req: TokenizeRequest, e: Exception) -> RequestFailed:
+    """What main tells the client about a request this worker could not send on."""
+    if isinstance(e, (GrammarError, InvalidSamplingParam)):
+        return RequestFailed(req.group, "invalid_request", str(e), e.param)
+    if isinstance(e, ImageError):
+        return RequestFailed(req.group, "invalid_request", e.message, req.prompt_param)
+    if isinstance(e, TransportFull):
+        return RequestFailed(req.group, "unavailable", f"too many images in flight: {e}")
+    # a template or tokenizer error is the request's fault
+    return RequestFailed(req.group, "invalid_request", f"could not build the prompt: {e}")
 
 
 if __name__ == "__main__":

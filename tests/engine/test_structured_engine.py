@@ -143,3 +143,118 @@ def test_qwen3_5_xml_tool_call_constraint_parses_back_to_valid_arguments(llm: LL
         args = json.loads(calls[0].arguments)
         assert args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
     assert stopped
+
+
+def _gated_compiler(engine: object, monkeypatch: pytest.MonkeyPatch) -> tuple[object, list, object]:
+    """The engine's compiler with `submit` held: each compilation waits until the test releases it."""
+    import concurrent.futures
+
+    compiler = engine._compiler()  # type: ignore[attr-defined]
+    real_submit = compiler.submit
+    gates: list = []
+
+    def submit(c: OutputConstraint) -> concurrent.futures.Future:
+        gate: concurrent.futures.Future = concurrent.futures.Future()
+        gates.append((gate, c))
+        return gate
+
+    monkeypatch.setattr(compiler, "submit", submit)
+    monkeypatch.setattr(engine, "defer_grammars", True)
+    return compiler, gates, real_submit
+
+
+def _schema(n: int) -> OutputConstraint:
+    """A schema no earlier test compiled (the compiler caches by constraint)."""
+    return OutputConstraint("json_schema", json.dumps({"type": "object", "properties": {"k": {"enum": [f"v{n}", "w"]}},
+                                                       "required": ["k"], "additionalProperties": False}))
+
+
+def test_a_compiling_grammar_waits_off_the_step_loop(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With defer_grammars (the scheduler worker's setting) a request whose grammar is still compiling
+    does not hold up the step loop: a running request keeps decoding; once the compilation ends, a
+    step queues the request (take_admitted) and its reply follows the grammar."""
+    engine = llm.engine
+    compiler, gates, real_submit = _gated_compiler(engine, monkeypatch)
+    assert engine.add_request("free", [1, 2, 3], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    c = _schema(1)
+    assert engine.add_request("json", [4, 5, 6], SamplingParams(max_tokens=48, temperature=0.0, constraint=c)) is False
+    free_tokens = 0
+    for _ in range(4):
+        for o in engine.step():
+            assert o.rid == "free"
+            free_tokens += len(o.new_token_ids)
+    assert free_tokens >= 3 and engine.compiling_grammars == 1 and "json" not in engine.reqs
+    assert engine.take_admitted() == [] and engine.take_refused() == []
+    gate, constraint = gates[0]
+    gate.set_result(real_submit(constraint).result())
+    tokens: list[int] = []
+    admitted: list[str] = []
+    while engine.has_unfinished() or engine.compiling_grammars:
+        outs = engine.step()
+        admitted += engine.take_admitted()
+        tokens += [t for o in outs if o.rid == "json" for t in o.new_token_ids]
+    assert admitted == ["json"] and engine.compiling_grammars == 0
+    assert json.loads(llm.tokenizer.decode(tokens, skip_special_tokens=True))["k"] in ("v1", "w")
+
+
+def test_a_deferred_grammar_that_fails_or_times_out_is_refused(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compilation that fails is the request's refusal with the compiler's reason; one that outlives
+    the compile timeout is refused naming the timeout, and cancelled if it had not started; an abort
+    while compiling drops the request without an output."""
+    from mllmd.structured.grammar import GrammarError
+
+    engine = llm.engine
+    compiler, gates, _ = _gated_compiler(engine, monkeypatch)
+    params = SamplingParams(max_tokens=8, temperature=0.0, constraint=_schema(2))
+    assert engine.add_request("fails", [1, 2], params) is False
+    gates[0][0].set_exception(GrammarError("the response_format schema cannot be compiled: bad", "response_format"))
+    assert engine.step() == []
+    [(rid, err)] = engine.take_refused()
+    assert rid == "fails" and "cannot be compiled: bad" in str(err) and err.param == "response_format"
+    monkeypatch.setattr(compiler, "timeout_s", 0.0)
+    assert engine.add_request("slow", [1, 2], SamplingParams(max_tokens=8, constraint=_schema(3))) is False
+    assert engine.step() == []
+    [(rid, err)] = engine.take_refused()
+    assert rid == "slow" and "took longer than 0 s to compile" in str(err) and gates[1][0].cancelled()
+    monkeypatch.setattr(compiler, "timeout_s", 60.0)
+    assert engine.add_request("gone", [1, 2], SamplingParams(max_tokens=8, constraint=_schema(4))) is False
+    assert engine.abort("gone") and engine.compiling_grammars == 0
+    gates[2][0].set_result(None)
+    assert engine.step() == [] and engine.take_admitted() == [] and engine.take_refused() == []
+    assert not engine.has_unfinished()
+
+
+def test_the_scheduler_worker_registers_a_deferred_request_once_it_is_queued(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler worker tells the detokenizer about a request only when the engine queues it (so
+    before its first output), and fails one whose grammar the engine refused; an abort forgets it."""
+    from mllmd.messages import AbortRequest, GenerateRequest, RegisterRequest, RequestFailed, decoder
+    from mllmd.structured.grammar import GrammarError
+    from mllmd.workers.scheduler_worker import RequestClock, admit_deferred, handle
+
+    engine = llm.engine
+    _, gates, real_submit = _gated_compiler(engine, monkeypatch)
+    to_main: list = []
+    detok: list = []
+
+    class Wctx:
+        def send_main(self, msg: object) -> None:
+            to_main.append(msg)
+
+    class Sock:
+        def send(self, data: bytes) -> None:
+            detok.append(decoder(RegisterRequest).decode(data))
+
+    wctx, sock, clock, deferred = Wctx(), Sock(), RequestClock(), {}
+    for rid, n in (("ok", 5), ("bad", 6), ("dropped", 7)):
+        msg = GenerateRequest(rid, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, constraint=_schema(n)))
+        handle(msg, engine, wctx, sock, None, clock, deferred)  # type: ignore[arg-type]
+    assert sorted(deferred) == ["bad", "dropped", "ok"] and detok == []
+    handle(AbortRequest("dropped"), engine, wctx, sock, None, clock, deferred)  # type: ignore[arg-type]
+    gates[0][0].set_result(real_submit(gates[0][1]).result())
+    gates[1][0].set_exception(GrammarError("the response_format schema cannot be compiled: x", "response_format"))
+    engine.step()
+    admit_deferred(engine, wctx, sock, clock, deferred)  # type: ignore[arg-type]
+    assert [r.rid for r in detok] == ["ok"] and not deferred
+    assert [(m.rid, m.code) for m in to_main if isinstance(m, RequestFailed)] == [("bad", "invalid_request")]
+    while engine.has_unfinished():
+        engine.step()

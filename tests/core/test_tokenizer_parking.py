@@ -1,0 +1,98 @@
+"""The tokenizer worker with a grammar still compiling: the request waits (parked) while the requests
+behind it are tokenized and sent on; it follows once its grammar compiled, or fails with the
+compiler's reason, or with the timeout (its compilation cancelled if it had not started)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mllmd.messages import GenerateRequest, OutputBudget, RequestFailed, TextPrompt, TokenizeRequest, decoder
+from mllmd.sampling_params import OutputConstraint, SamplingParams
+from mllmd.structured.grammar import GrammarError
+from mllmd.workers.tokenizer_worker import Grammars, Parked, finish_parked, handle
+
+CONTEXT = 4096
+
+
+class _Wctx:
+    def __init__(self) -> None:
+        self.to_main: list[Any] = []
+
+    def send_main(self, msg: Any) -> None:
+        self.to_main.append(msg)
+
+
+class _Socket:
+    def __init__(self) -> None:
+        self.sent: list[GenerateRequest] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(decoder(GenerateRequest).decode(data))
+
+
+class _Compiler:
+    timeout_s = 60.0
+
+    def timeout_error(self, c: OutputConstraint) -> GrammarError:
+        return GrammarError(f"the response_format grammar took longer than {self.timeout_s:g} s to compile",
+                            "response_format")
+
+
+@pytest.fixture
+def parts(qwen3_tied: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Grammars, list, _Compiler]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tied)
+    grammars = Grammars(tokenizer, len(tokenizer))
+    compiler = _Compiler()
+    grammars._compiler = compiler  # type: ignore[assignment]
+    gates: list[concurrent.futures.Future] = []
+
+    def start(c: OutputConstraint) -> concurrent.futures.Future:
+        gates.append(concurrent.futures.Future())
+        return gates[-1]
+
+    monkeypatch.setattr(grammars, "start", start)
+    return tokenizer, grammars, gates, compiler
+
+
+def _request(group: str, constrained: bool) -> TokenizeRequest:
+    c = OutputConstraint("json_schema", json.dumps({"type": "object"})) if constrained else None
+    return TokenizeRequest(group, [group + "-0"], TextPrompt("hello there"), SamplingParams(max_tokens=4, constraint=c),
+                           OutputBudget(requested=4), prompt_param="prompt")
+
+
+def test_a_request_with_a_compiling_grammar_does_not_hold_up_the_next(parts) -> None:
+    tokenizer, grammars, gates, _ = parts
+    wctx, sched, parked = _Wctx(), _Socket(), []
+    handle(_request("json", True), tokenizer, None, None, CONTEXT, wctx, sched, grammars, parked)
+    handle(_request("free", False), tokenizer, None, None, CONTEXT, wctx, sched, grammars, parked)
+    assert [g.rid for g in sched.sent] == ["free-0"] and len(parked) == 1 and not wctx.to_main
+    finish_parked(parked, grammars, CONTEXT, wctx, sched)
+    assert len(sched.sent) == 1 and len(parked) == 1  # still compiling
+    gates[0].set_result(object())
+    finish_parked(parked, grammars, CONTEXT, wctx, sched)
+    assert [g.rid for g in sched.sent] == ["free-0", "json-0"] and not parked and not wctx.to_main
+    assert sched.sent[1].input_ids == sched.sent[0].input_ids and sched.sent[1].params.constraint is not None
+
+
+def test_a_parked_request_fails_with_the_compilers_reason_or_the_timeout(parts) -> None:
+    tokenizer, grammars, gates, compiler = parts
+    wctx, sched, parked = _Wctx(), _Socket(), []
+    handle(_request("bad", True), tokenizer, None, None, CONTEXT, wctx, sched, grammars, parked)
+    gates[0].set_exception(GrammarError("the response_format schema cannot be compiled: no", "response_format"))
+    finish_parked(parked, grammars, CONTEXT, wctx, sched)
+    [failed] = wctx.to_main
+    assert isinstance(failed, RequestFailed) and failed.rid == "bad" and "cannot be compiled: no" in failed.message
+    compiler.timeout_s = 0.0
+    handle(_request("slow", True), tokenizer, None, None, CONTEXT, wctx, sched, grammars, parked)
+    assert isinstance(parked[0], Parked) and parked[0].deadline <= time.monotonic()
+    finish_parked(parked, grammars, CONTEXT, wctx, sched)
+    assert wctx.to_main[1].rid == "slow" and "took longer than 0 s" in wctx.to_main[1].message
+    assert gates[1].cancelled() and not parked and not sched.sent
