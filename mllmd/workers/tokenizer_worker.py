@@ -66,16 +66,40 @@ def _meta(text: str) -> PromptMeta:
     return PromptMeta(starts_in_reasoning=text.rstrip().endswith("<think>"))
 
 
-def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> tuple[list[int], PromptMeta]:
+# A text longer than this many characters per token of the context is measured on a prefix first.
+PREFIX_CHARS_PER_TOKEN = 8
+# Tokens the end of a prefix may split differently from the whole text (a pre-token cut in two).
+PREFIX_BOUNDARY_TOKENS = 16
+
+
+def encode_within(tokenizer: Any, text: str, context_length: int | None, param: str) -> list[int]:
+    """tokenizer.encode(text), except that a text whose prefix alone has more tokens than the context
+    holds is refused from that prefix (InvalidSamplingParam naming `param`), as fit_max_tokens would
+    refuse the whole; encoding the 8 MB a request body may hold takes this worker about 10 s, time in
+    which every other request waits."""
+    if context_length is not None and len(text) > context_length * PREFIX_CHARS_PER_TOKEN:
+        head = tokenizer.encode(text[: context_length * PREFIX_CHARS_PER_TOKEN], add_special_tokens=False)
+        if len(head) - PREFIX_BOUNDARY_TOKENS >= context_length:
+            raise InvalidSamplingParam(
+                f"the prompt has more than {len(head) - PREFIX_BOUNDARY_TOKENS} tokens but the model's context "
+                f"length is {context_length} (at least one token must be left for the completion)",
+                param,
+            )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None,
+             context_length: int | None = None) -> tuple[list[int], PromptMeta]:
     """Token ids for a chat / completion / token-id prompt, plus facts the detokenizer needs.
-    `chat_template`: the administrator's template (None: the model's)."""
+    `chat_template`: the administrator's template (None: the model's); `context_length`: a prompt far
+    over it is refused from a prefix (encode_within)."""
     prompt = req.prompt
     if isinstance(prompt, ChatPrompt):
         kwargs = _template_kwargs(prompt, chat_template)
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        return tokenizer.encode(text, add_special_tokens=False), _meta(text)
+        return encode_within(tokenizer, text, context_length, req.prompt_param), _meta(text)
     if isinstance(prompt, TextPrompt):
-        return tokenizer.encode(prompt.text, add_special_tokens=False), PromptMeta()
+        return encode_within(tokenizer, prompt.text, context_length, req.prompt_param), PromptMeta()
     return list(prompt.ids), PromptMeta()
 
 
@@ -244,7 +268,7 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
         else:
-            ids, meta = tokenize(tokenizer, req, chat_template)
+            ids, meta = tokenize(tokenizer, req, chat_template, context_length)
         c = req.params.constraint
         if grammars is not None and c is not None:
             req = grammars.constrain(req, meta)

@@ -96,3 +96,25 @@ def test_a_parked_request_fails_with_the_compilers_reason_or_the_timeout(parts) 
     finish_parked(parked, grammars, CONTEXT, wctx, sched)
     assert wctx.to_main[1].rid == "slow" and "took longer than 0 s" in wctx.to_main[1].message
     assert gates[1].cancelled() and not parked and not sched.sent
+
+
+@pytest.mark.parametrize("text", ["ab " * 4000, "x" * 5000, " " * 9000, "你好，世界。" * 900, "word\n\n" * 2000])
+def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(qwen3_tied: Path, text: str) -> None:
+    """encode_within gives encode's ids, or refuses exactly where the whole prompt leaves no room for a
+    completion (so the refusal never turns away a prompt that fits)."""
+    from transformers import AutoTokenizer
+
+    from mllmd.sampling_params import InvalidSamplingParam
+    from mllmd.workers.tokenizer_worker import encode_within
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tied)
+    full = tokenizer.encode(text, add_special_tokens=False)
+    for context in (64, 256, len(full), len(full) + 1, 4 * len(full)):
+        try:
+            ids = encode_within(tokenizer, text, context, "prompt")
+        except InvalidSamplingParam as e:
+            assert len(full) >= context and e.param == "prompt" and f"context length is {context}" in str(e)
+        else:
+            assert ids == full
+    with pytest.raises(InvalidSamplingParam, match="more than"):
+        encode_within(tokenizer, "ab " * 100_000, 64, "messages")
