@@ -394,7 +394,7 @@ def test_tegrastats_without_temperatures_keeps_thermal_zones(tmp_path: Path) -> 
 
 
 def test_fake_lines_are_the_cited_real_lines() -> None:
-    spec = importlib.util.spec_from_file_location("_tegrastats_cases", HERE / "test_tegrastats.py")
+    spec = importlib.util.spec_from_file_location("_tegrastats_lines", HERE / "tegrastats_lines.py")
     assert spec is not None and spec.loader is not None
     cases = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cases)
