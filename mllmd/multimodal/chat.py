@@ -60,9 +60,28 @@ def build_vision_prompt(
     max_image_pixels: int | None = DEFAULT_RESIZE_MAX_PIXELS,
 ) -> VisionPrompt:
     """Images loaded, checked and resized (ImageError naming the rule), then the prompt built around them."""
+    images = load_images(messages, preprocess, limits, max_image_pixels)
+    return prompt_with_images(tokenizer, messages, template_kwargs, images, tokens)
+
+
+def load_images(
+    messages: list[dict[str, Any]],
+    preprocess: VisionPreprocessConfig,
+    limits: ImageLimits,
+    max_image_pixels: int | None = DEFAULT_RESIZE_MAX_PIXELS,
+) -> list[ProcessedImage]:
+    """The chat's images loaded, checked and resized, in order (ImageError naming the rule). Touches
+    no tokenizer: it may run on a thread of its own."""
     parts = image_parts(messages)
     check_image_count(len(parts), limits)
-    images = [process_image(load_part(part, limits, i + 1), preprocess, max_image_pixels) for i, part in enumerate(parts)]
+    return [process_image(load_part(part, limits, i + 1), preprocess, max_image_pixels) for i, part in enumerate(parts)]
+
+
+def prompt_with_images(
+    tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], images: list[ProcessedImage],
+    tokens: VisionTokenIds,
+) -> VisionPrompt:
+    """The chat templated and tokenized, each image placeholder expanded to its image's tokens."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
     ids = tokenizer.encode(text, add_special_tokens=False)
     prompt = expand_image_placeholders(ids, [im.num_tokens for im in images], tokens)

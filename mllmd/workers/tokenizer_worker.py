@@ -103,12 +103,9 @@ def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = N
     return list(prompt.ids), PromptMeta()
 
 
-def tokenize_with_images(tokenizer: Any, req: TokenizeRequest, vision: VisionPrompts,
-                         chat_template: str | None = None) -> tuple[list[int], PromptMeta, VisionPrompt]:
-    """A chat with image parts: the images loaded and resized, the prompt built around their tokens."""
-    assert isinstance(req.prompt, ChatPrompt)
-    built = vision.build(tokenizer, req.prompt, _template_kwargs(req.prompt, chat_template))
-    return built.input_ids, _meta(built.text), built
+def _with_images(built: VisionPrompt, vision: VisionPrompts) -> tuple[list[int], PromptMeta, Callable[[], list[ImageInput]]]:
+    """A built vision prompt's ids and facts, and what sends its pixels (once per choice)."""
+    return built.input_ids, _meta(built.text), lambda: vision.send(built)
 
 
 def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, context_length: int,
@@ -161,14 +158,16 @@ class Grammars:
 
 @dataclasses.dataclass
 class Parked:
-    """A tokenized request waiting for its grammar to compile (`finish_parked` sends it on)."""
+    """A request waiting, off the worker's loop, for its images to be loaded ("images") or then for its
+    grammar to compile ("grammar", until `deadline`); `finish_parked` takes it on."""
 
     req: TokenizeRequest
-    ids: list[int]
-    meta: PromptMeta
-    send_images: Callable[[], list[Any]] | None
-    compiling: concurrent.futures.Future[Any]
-    deadline: float
+    waiting: concurrent.futures.Future[Any]
+    stage: str = "images"
+    deadline: float | None = None
+    ids: list[int] = dataclasses.field(default_factory=list)
+    meta: PromptMeta = PromptMeta()
+    send_images: Callable[[], list[ImageInput]] | None = None
 
 
 def tokenize_only(tokenizer: Any, msg: TokenizeOnly, chat_template: str | None = None) -> TokenizeResult:
@@ -229,7 +228,7 @@ def run(wctx: WorkerContext) -> None:
     try:
         while not wctx.stopping:
             if parked:
-                finish_parked(parked, grammars, context_length, wctx, to_sched)
+                finish_parked(parked, grammars, context_length, wctx, to_sched, vision, chat_template)
             if not inbox.poll(5 if parked else 100):
                 continue
             data = inbox.recv()
@@ -258,54 +257,69 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
            context_length: int, wctx: WorkerContext, to_sched: Any, grammars: Grammars | None = None,
            parked: list[Parked] | None = None) -> None:
     """Tokenize one request and send its choices on, or tell main why it failed. With `parked`, a
-    request whose grammar is not compiled yet waits there instead of holding up the requests behind it."""
+    request whose images are still loading or whose grammar is still compiling waits there instead of
+    holding up the requests behind it."""
     logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
     try:
         send_images = None
         if vision is not None and vision.wants(req.prompt):
-            ids, meta, built = tokenize_with_images(tokenizer, req, vision, chat_template)
-            send_images = lambda: vision.send(built)  # noqa: E731
+            assert isinstance(req.prompt, ChatPrompt)
+            kwargs = _template_kwargs(req.prompt, chat_template)
+            if parked is not None:
+                parked.append(Parked(req, vision.load_later(req.prompt)))
+                return
+            ids, meta, send_images = _with_images(vision.build(tokenizer, req.prompt, kwargs), vision)
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
         else:
             ids, meta = tokenize(tokenizer, req, chat_template, context_length)
-        c = req.params.constraint
-        if grammars is not None and c is not None:
-            req = grammars.constrain(req, meta)
-            compiling = grammars.start(c)
-            if compiling is not None:
-                deadline = time.monotonic() + grammars.compiler.timeout_s
-                if parked is not None:
-                    parked.append(Parked(req, ids, meta, send_images, compiling, deadline))
-                    return
-                _wait(compiling, grammars.compiler, c)
-        out = generate_requests(req, ids, meta, context_length, send_images)
+        _go_on(req, ids, meta, send_images, context_length, to_sched, grammars, parked)
     except Exception as e:
         wctx.send_main(_failure(req, e))
-        return
-    for gen in out:
+
+
+def _go_on(req: TokenizeRequest, ids: list[int], meta: PromptMeta, send_images: Callable[[], list[ImageInput]] | None,
+           context_length: int, to_sched: Any, grammars: Grammars | None, parked: list[Parked] | None) -> None:
+    """A tokenized request: its grammar (parked while it compiles), then its choices to the scheduler."""
+    c = req.params.constraint
+    if grammars is not None and c is not None:
+        req = grammars.constrain(req, meta)
+        compiling = grammars.start(c)
+        if compiling is not None:
+            deadline = time.monotonic() + grammars.compiler.timeout_s
+            if parked is not None:
+                parked.append(Parked(req, compiling, "grammar", deadline, ids, meta, send_images))
+                return
+            _wait(compiling, grammars.compiler, c)
+    for gen in generate_requests(req, ids, meta, context_length, send_images):
         to_sched.send(encode(gen))
 
 
 def finish_parked(parked: list[Parked], grammars: Grammars, context_length: int, wctx: WorkerContext,
-                  to_sched: Any) -> None:
-    """Send on the parked requests whose grammar compiled; fail those whose grammar could not be
-    compiled or outlived the compile timeout (its thread runs on; later compilations queue behind it)."""
+                  to_sched: Any, vision: VisionPrompts | None = None, chat_template: str | None = None) -> None:
+    """Take on the parked requests whose images are loaded or whose grammar compiled; fail those whose
+    images or grammar were refused, or whose grammar outlived the compile timeout (its thread runs on;
+    later compilations queue behind it)."""
     now = time.monotonic()
-    for p in [p for p in parked if p.compiling.done() or now >= p.deadline]:
+    for p in [p for p in parked if p.waiting.done() or (p.deadline is not None and now >= p.deadline)]:
         parked.remove(p)
         try:
-            if not p.compiling.done():
-                p.compiling.cancel()  # one still queued never runs: a flood costs one thread, not a queue
+            if p.stage == "images":
+                assert vision is not None and isinstance(p.req.prompt, ChatPrompt)
+                kwargs = _template_kwargs(p.req.prompt, chat_template)
+                built = vision.prompt(grammars.tokenizer, p.req.prompt, kwargs, p.waiting.result())  # the worker's tokenizer
+                ids, meta, send_images = _with_images(built, vision)
+                _go_on(p.req, ids, meta, send_images, context_length, to_sched, grammars, parked)
+                continue
+            if not p.waiting.done():
+                p.waiting.cancel()  # one still queued never runs: a flood costs one thread, not a queue
                 assert p.req.params.constraint is not None
                 raise grammars.compiler.timeout_error(p.req.params.constraint)
-            p.compiling.result()
-            out = generate_requests(p.req, p.ids, p.meta, context_length, p.send_images)
+            p.waiting.result()
+            for gen in generate_requests(p.req, p.ids, p.meta, context_length, p.send_images):
+                to_sched.send(encode(gen))
         except Exception as e:
             wctx.send_main(_failure(p.req, e))
-            continue
-        for gen in out:
-            to_sched.send(encode(gen))
 
 
 def _wait(compiling: concurrent.futures.Future[Any], compiler: GrammarCompiler, c: OutputConstraint) -> None:

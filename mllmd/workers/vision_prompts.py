@@ -11,16 +11,23 @@ its own).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mllmd.messages import ChatPrompt, ImageInput, TransportAck
-from mllmd.multimodal.chat import VisionPrompt, build_vision_prompt, image_parts
+from mllmd.multimodal.chat import (
+    VisionPrompt,
+    build_vision_prompt,
+    image_parts,
+    load_images,
+    prompt_with_images,
+)
 from mllmd.multimodal.image_io import ImageLimits
-from mllmd.multimodal.image_processing import VisionPreprocessConfig
+from mllmd.multimodal.image_processing import ProcessedImage, VisionPreprocessConfig
 from mllmd.multimodal.prompt import VisionTokenIds
 from mllmd.multimodal.transport import TensorSender
 from mllmd.multimodal.transport_probe import probe_cuda_ipc, resolve_mode
@@ -58,6 +65,7 @@ class VisionPrompts:
     tokens: VisionTokenIds
     limits: ImageLimits
     sender: TensorSender
+    _images: concurrent.futures.ThreadPoolExecutor | None = field(default=None, repr=False)
 
     @classmethod
     def start(cls, model_path: str, server: dict[str, Any], ipc: dict[str, Any], device: str) -> VisionPrompts:
@@ -90,6 +98,19 @@ class VisionPrompts:
         return build_vision_prompt(tokenizer, prompt.messages, template_kwargs, self.preprocess, self.tokens,
                                    self.limits)
 
+    def load_later(self, prompt: ChatPrompt) -> concurrent.futures.Future[list[ProcessedImage]]:
+        """The prompt's images loaded and resized on the image thread (ImageError from the future): up
+        to about a second an image (a 7000x7000 PNG on a 2-core machine), time in which the worker's
+        loop serves other requests. No tokenizer is touched there."""
+        if self._images is None:
+            self._images = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="images")
+        return self._images.submit(load_images, prompt.messages, self.preprocess, self.limits)
+
+    def prompt(self, tokenizer: Any, prompt: ChatPrompt, template_kwargs: dict[str, Any],
+               images: list[ProcessedImage]) -> VisionPrompt:
+        """The prompt built around images from `load_later`."""
+        return prompt_with_images(tokenizer, prompt.messages, template_kwargs, images, self.tokens)
+
     def send(self, built: VisionPrompt) -> list[ImageInput]:
         """One choice's ImageInputs (each image's pixels sent anew: the receiver consumes a handle once)."""
         return [ImageInput(s, e - s, im.grid_thw, im.content_hash, self.sender.send(im.pixels))
@@ -99,4 +120,6 @@ class VisionPrompts:
         self.sender.on_ack(ack)
 
     def close(self) -> None:
+        if self._images is not None:
+            self._images.shutdown(wait=False, cancel_futures=True)
         self.sender.close()

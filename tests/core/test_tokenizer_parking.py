@@ -92,7 +92,8 @@ def test_a_parked_request_fails_with_the_compilers_reason_or_the_timeout(parts) 
     assert isinstance(failed, RequestFailed) and failed.rid == "bad" and "cannot be compiled: no" in failed.message
     compiler.timeout_s = 0.0
     handle(_request("slow", True), tokenizer, None, None, CONTEXT, wctx, sched, grammars, parked)
-    assert isinstance(parked[0], Parked) and parked[0].deadline <= time.monotonic()
+    assert isinstance(parked[0], Parked) and parked[0].stage == "grammar"
+    assert parked[0].deadline is not None and parked[0].deadline <= time.monotonic()
     finish_parked(parked, grammars, CONTEXT, wctx, sched)
     assert wctx.to_main[1].rid == "slow" and "took longer than 0 s" in wctx.to_main[1].message
     assert gates[1].cancelled() and not parked and not sched.sent
@@ -118,3 +119,51 @@ def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(qwen3_tied: Path
             assert ids == full
     with pytest.raises(InvalidSamplingParam, match="more than"):
         encode_within(tokenizer, "ab " * 100_000, 64, "messages")
+
+
+class _Vision:
+    """The worker's view of a vision model, its image loading held until the test releases it."""
+
+    def __init__(self) -> None:
+        self.gates: list[concurrent.futures.Future] = []
+
+    def wants(self, prompt: Any) -> bool:
+        return "image" in json.dumps(getattr(prompt, "messages", ""))
+
+    def load_later(self, prompt: Any) -> concurrent.futures.Future:
+        self.gates.append(concurrent.futures.Future())
+        return self.gates[-1]
+
+    def prompt(self, tokenizer: Any, prompt: Any, kwargs: dict, images: list) -> Any:
+        from mllmd.multimodal.chat import VisionPrompt
+
+        return VisionPrompt([7, 8, 9], images, [], "user: look")
+
+    def send(self, built: Any) -> list:
+        return []
+
+
+def test_a_request_whose_images_are_loading_does_not_hold_up_the_next(parts) -> None:
+    """Images load off the worker's loop: a text request behind an image request goes on at once; the
+    image request follows once its images are loaded, or fails with the image rule that refused one."""
+    from mllmd.messages import ChatPrompt
+    from mllmd.multimodal.image_io import ImageError
+
+    tokenizer, grammars, _, _ = parts
+    vision, wctx, sched, parked = _Vision(), _Wctx(), _Socket(), []
+    image_msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+
+    def image_request(group: str) -> TokenizeRequest:
+        return TokenizeRequest(group, [group + "-0"], ChatPrompt(image_msgs), SamplingParams(max_tokens=4),
+                               OutputBudget(requested=4))
+
+    for req in (image_request("img"), image_request("bomb"), _request("text", False)):
+        handle(req, tokenizer, vision, None, CONTEXT, wctx, sched, grammars, parked)  # type: ignore[arg-type]
+    assert [g.rid for g in sched.sent] == ["text-0"] and [p.stage for p in parked] == ["images", "images"]
+    vision.gates[0].set_result([])
+    vision.gates[1].set_exception(ImageError("image 1: 60000000 pixels exceed server.max_image_pixels", "pixels"))
+    finish_parked(parked, grammars, CONTEXT, wctx, sched, vision)  # type: ignore[arg-type]
+    assert [g.rid for g in sched.sent] == ["text-0", "img-0"] and sched.sent[1].input_ids == [7, 8, 9]
+    [failed] = wctx.to_main
+    assert failed.rid == "bomb" and "max_image_pixels" in failed.message and failed.param == "messages"
+    assert not parked
