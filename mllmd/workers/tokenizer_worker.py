@@ -66,8 +66,11 @@ def _meta(text: str) -> PromptMeta:
     return PromptMeta(starts_in_reasoning=text.rstrip().endswith("<think>"))
 
 
-# A text longer than this many characters per token of the context is measured on a prefix first.
+# A text longer than this many characters per token of the context, and than PREFIX_MIN_CHARS, is
+# measured on a prefix first (below that, encoding it whole costs under half a second here and the
+# refusal can name the prompt's exact length).
 PREFIX_CHARS_PER_TOKEN = 8
+PREFIX_MIN_CHARS = 1 << 18
 # Tokens the end of a prefix may split differently from the whole text (a pre-token cut in two).
 PREFIX_BOUNDARY_TOKENS = 16
 
@@ -77,8 +80,9 @@ def encode_within(tokenizer: Any, text: str, context_length: int | None, param: 
     holds is refused from that prefix (InvalidSamplingParam naming `param`), as fit_max_tokens would
     refuse the whole; encoding the 8 MB a request body may hold takes this worker about 10 s, time in
     which every other request waits."""
-    if context_length is not None and len(text) > context_length * PREFIX_CHARS_PER_TOKEN:
-        head = tokenizer.encode(text[: context_length * PREFIX_CHARS_PER_TOKEN], add_special_tokens=False)
+    if context_length is not None and len(text) > max(context_length * PREFIX_CHARS_PER_TOKEN, PREFIX_MIN_CHARS):
+        head = tokenizer.encode(text[: max(context_length * PREFIX_CHARS_PER_TOKEN, PREFIX_MIN_CHARS)],
+                                add_special_tokens=False)  # fmt: skip
         if len(head) - PREFIX_BOUNDARY_TOKENS >= context_length:
             raise InvalidSamplingParam(
                 f"the prompt has more than {len(head) - PREFIX_BOUNDARY_TOKENS} tokens but the model's context "

@@ -100,13 +100,18 @@ def test_a_parked_request_fails_with_the_compilers_reason_or_the_timeout(parts) 
 
 
 @pytest.mark.parametrize("text", ["ab " * 4000, "x" * 5000, " " * 9000, "你好，世界。" * 900, "word\n\n" * 2000])
-def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(qwen3_tied: Path, text: str) -> None:
+def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(qwen3_tied: Path, text: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """encode_within gives encode's ids, or refuses exactly where the whole prompt leaves no room for a
-    completion (so the refusal never turns away a prompt that fits)."""
+    completion (so the refusal never turns away a prompt that fits). The floor under which a text is
+    always encoded whole (256K characters) is lowered, so that these texts take the prefix route."""
     from transformers import AutoTokenizer
 
+    import mllmd.workers.tokenizer_worker as tw
     from mllmd.sampling_params import InvalidSamplingParam
     from mllmd.workers.tokenizer_worker import encode_within
+
+    monkeypatch.setattr(tw, "PREFIX_MIN_CHARS", 0)
 
     tokenizer = AutoTokenizer.from_pretrained(qwen3_tied)
     full = tokenizer.encode(text, add_special_tokens=False)
@@ -119,6 +124,8 @@ def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(qwen3_tied: Path
             assert ids == full
     with pytest.raises(InvalidSamplingParam, match="more than"):
         encode_within(tokenizer, "ab " * 100_000, 64, "messages")
+    monkeypatch.setattr(tw, "PREFIX_MIN_CHARS", 1 << 18)  # under the floor: encoded whole, so that the
+    assert encode_within(tokenizer, text, len(full) // 2, "messages") == full  # refusal names its length
 
 
 class _Vision:
