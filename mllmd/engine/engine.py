@@ -163,10 +163,8 @@ class Engine:
             del self._compiling[rid]
             assert req.params.constraint is not None and self._grammars is not None
             try:
-                if not future.done():
-                    future.cancel()  # one still queued never runs
-                    raise self._grammars.timeout_error(req.params.constraint)
-                req.grammar = self._request_grammar(future.result(), req.params.constraint)
+                req.grammar = self._request_grammar(self._grammars.finish(future, req.params.constraint),
+                                                    req.params.constraint)  # fmt: skip
             except GrammarError as e:
                 self._refused_late.append((rid, AdmissionError(str(e), e.param)))
                 continue

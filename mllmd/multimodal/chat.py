@@ -9,7 +9,7 @@ token for its number of tokens. Torch-free.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,10 +79,11 @@ def load_images(
 
 def prompt_with_images(
     tokenizer: Any, messages: list[dict[str, Any]], template_kwargs: dict[str, Any], images: list[ProcessedImage],
-    tokens: VisionTokenIds,
+    tokens: VisionTokenIds, encode: Callable[[str], list[int]] | None = None,
 ) -> VisionPrompt:
-    """The chat templated and tokenized, each image placeholder expanded to its image's tokens."""
+    """The chat templated and tokenized (by `encode` if given, e.g. one that refuses a text far over the
+    context early), each image placeholder expanded to its image's tokens."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **template_kwargs)
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = encode(text) if encode is not None else tokenizer.encode(text, add_special_tokens=False)
     prompt = expand_image_placeholders(ids, [im.num_tokens for im in images], tokens)
     return VisionPrompt(prompt.input_ids, images, prompt.image_spans, text)

@@ -142,10 +142,9 @@ class GrammarCompiler:
         hit = self.lookup(c)
         if hit is not None:
             return hit
-        try:
-            return self.submit(c).result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise self.timeout_error(c) from None
+        future = self.submit(c)
+        concurrent.futures.wait([future], timeout=self.timeout_s)
+        return self.finish(future, c)
 
     def lookup(self, c: OutputConstraint) -> Any | None:
         """`c`'s CompiledGrammar if it is cached, else None."""
@@ -160,6 +159,15 @@ class GrammarCompiler:
         """Compile `c` on the background thread: the future's result is the CompiledGrammar (cached), or
         it raises GrammarError naming the request field. The caller bounds its wait (`timeout_error`)."""
         return self._pool.submit(self._compile_and_cache, c)
+
+    def finish(self, future: concurrent.futures.Future[Any], c: OutputConstraint) -> Any:
+        """The outcome of `submit(c)` once it is done or its caller's wait is over: the CompiledGrammar,
+        or GrammarError (a compilation still running is refused as too slow, and cancelled if it had
+        not started, so that a flood of them does not queue)."""
+        if not future.done():
+            future.cancel()
+            raise self.timeout_error(c)
+        return future.result()
 
     def timeout_error(self, c: OutputConstraint) -> GrammarError:
         param = _param(c)

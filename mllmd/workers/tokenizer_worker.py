@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -268,10 +269,10 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
         send_images = None
         if vision is not None and vision.wants(req.prompt):
             assert isinstance(req.prompt, ChatPrompt)
-            kwargs = _template_kwargs(req.prompt, chat_template)
             if parked is not None:
                 parked.append(Parked(req, vision.load_later(req.prompt)))
                 return
+            kwargs = _template_kwargs(req.prompt, chat_template)
             ids, meta, send_images = _with_images(vision.build(tokenizer, req.prompt, kwargs), vision)
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
@@ -310,16 +311,16 @@ def finish_parked(parked: list[Parked], grammars: Grammars, context_length: int,
         try:
             if p.stage == "images":
                 assert vision is not None and isinstance(p.req.prompt, ChatPrompt)
+                tokenizer = grammars.tokenizer  # the worker's
+                encode_text = functools.partial(encode_within, tokenizer, context_length=context_length,
+                                                param=p.req.prompt_param)  # fmt: skip
                 kwargs = _template_kwargs(p.req.prompt, chat_template)
-                built = vision.prompt(grammars.tokenizer, p.req.prompt, kwargs, p.waiting.result())  # the worker's tokenizer
+                built = vision.prompt(tokenizer, p.req.prompt, kwargs, p.waiting.result(), encode_text)
                 ids, meta, send_images = _with_images(built, vision)
                 _go_on(p.req, ids, meta, send_images, context_length, to_sched, grammars, parked)
                 continue
-            if not p.waiting.done():
-                p.waiting.cancel()  # one still queued never runs: a flood costs one thread, not a queue
-                assert p.req.params.constraint is not None
-                raise grammars.compiler.timeout_error(p.req.params.constraint)
-            p.waiting.result()
+            assert p.req.params.constraint is not None
+            grammars.compiler.finish(p.waiting, p.req.params.constraint)
             for gen in generate_requests(p.req, p.ids, p.meta, context_length, p.send_images):
                 to_sched.send(encode(gen))
         except Exception as e:
@@ -327,10 +328,8 @@ def finish_parked(parked: list[Parked], grammars: Grammars, context_length: int,
 
 
 def _wait(compiling: concurrent.futures.Future[Any], compiler: GrammarCompiler, c: OutputConstraint) -> None:
-    try:
-        compiling.result(timeout=compiler.timeout_s)
-    except concurrent.futures.TimeoutError:
-        raise compiler.timeout_error(c) from None
+    concurrent.futures.wait([compiling], timeout=compiler.timeout_s)
+    compiler.finish(compiling, c)
 
 
 def _failure(req: TokenizeRequest, e: Exception) -> RequestFailed:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,9 +108,10 @@ class VisionPrompts:
         return self._images.submit(load_images, prompt.messages, self.preprocess, self.limits)
 
     def prompt(self, tokenizer: Any, prompt: ChatPrompt, template_kwargs: dict[str, Any],
-               images: list[ProcessedImage]) -> VisionPrompt:
-        """The prompt built around images from `load_later`."""
-        return prompt_with_images(tokenizer, prompt.messages, template_kwargs, images, self.tokens)
+               images: list[ProcessedImage], encode: Callable[[str], list[int]] | None = None) -> VisionPrompt:
+        """The prompt built around images from `load_later` (`encode`: the text's ids, if not the
+        tokenizer's plain encode)."""
+        return prompt_with_images(tokenizer, prompt.messages, template_kwargs, images, self.tokens, encode)
 
     def send(self, built: VisionPrompt) -> list[ImageInput]:
         """One choice's ImageInputs (each image's pixels sent anew: the receiver consumes a handle once)."""

@@ -14,7 +14,7 @@ import pytest
 
 from mllmd.messages import GenerateRequest, OutputBudget, RequestFailed, TextPrompt, TokenizeRequest, decoder
 from mllmd.sampling_params import OutputConstraint, SamplingParams
-from mllmd.structured.grammar import GrammarError
+from mllmd.structured.grammar import GrammarCompiler, GrammarError
 from mllmd.workers.tokenizer_worker import Grammars, Parked, finish_parked, handle
 
 CONTEXT = 4096
@@ -38,6 +38,7 @@ class _Socket:
 
 class _Compiler:
     timeout_s = 60.0
+    finish = GrammarCompiler.finish  # the real outcome rule (it calls timeout_error below)
 
     def timeout_error(self, c: OutputConstraint) -> GrammarError:
         return GrammarError(f"the response_format grammar took longer than {self.timeout_s:g} s to compile",
@@ -141,10 +142,10 @@ class _Vision:
         self.gates.append(concurrent.futures.Future())
         return self.gates[-1]
 
-    def prompt(self, tokenizer: Any, prompt: Any, kwargs: dict, images: list) -> Any:
+    def prompt(self, tokenizer: Any, prompt: Any, kwargs: dict, images: list, encode: Any) -> Any:
         from mllmd.multimodal.chat import VisionPrompt
 
-        return VisionPrompt([7, 8, 9], images, [], "user: look")
+        return VisionPrompt(encode("user: look"), images, [], "user: look")  # the worker's bounded encode
 
     def send(self, built: Any) -> list:
         return []
@@ -170,7 +171,8 @@ def test_a_request_whose_images_are_loading_does_not_hold_up_the_next(parts) -> 
     vision.gates[0].set_result([])
     vision.gates[1].set_exception(ImageError("image 1: 60000000 pixels exceed server.max_image_pixels", "pixels"))
     finish_parked(parked, grammars, CONTEXT, wctx, sched, vision)  # type: ignore[arg-type]
-    assert [g.rid for g in sched.sent] == ["text-0", "img-0"] and sched.sent[1].input_ids == [7, 8, 9]
+    assert [g.rid for g in sched.sent] == ["text-0", "img-0"]
+    assert sched.sent[1].input_ids == tokenizer.encode("user: look", add_special_tokens=False)
     [failed] = wctx.to_main
     assert failed.rid == "bomb" and "max_image_pixels" in failed.message and failed.param == "messages"
     assert not parked
