@@ -156,12 +156,14 @@ class TokenizeOnly(_Message, frozen=True):
 
 
 class TokenizeResult(_Message, frozen=True):
-    """tokenizer -> main: the ids (or text) of a TokenizeOnly, or why it failed (the client's fault)."""
+    """tokenizer -> main: the ids (or text) of a TokenizeOnly, or why it failed: the client's fault,
+    or, with `unavailable`, the worker's (too many such requests at once: a 503)."""
 
     id: str
     ids: list[int] = []
     text: str = ""
     error: str | None = None
+    unavailable: bool = False
 
 
 class ImageInput(msgspec.Struct, frozen=True, array_like=True):

@@ -351,6 +351,8 @@ class Api:
         result = await slot.tokenize_only(msg)
         if result is None:
             raise service_unavailable("the tokenizer worker did not answer; retry shortly")
+        if result.unavailable:
+            raise service_unavailable(result.error or "the tokenizer worker is busy; retry shortly")
         if result.error is not None:
             raise bad_request(result.error, "tokens" if msg.prompt is None else "prompt")
         return result

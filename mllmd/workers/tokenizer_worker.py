@@ -46,6 +46,7 @@ from mllmd.sampling_params import InvalidSamplingParam, OutputConstraint, choice
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
+from mllmd.workers.tokenize_jobs import TokenizeJobs
 from mllmd.workers.vision_prompts import VisionPrompts, takes_images
 
 logger = logging.getLogger("tokenizer")
@@ -230,11 +231,15 @@ def run(wctx: WorkerContext) -> None:
     wctx.ready(context_length=context_length, transport=vision.mode if vision else None,
                transport_fallback=vision.sender.fallback_reason if vision else None)
     parked: list[Parked] = []  # requests whose grammar compiles
+    jobs = TokenizeJobs(lambda: AutoTokenizer.from_pretrained(path),  # /tokenize, /detokenize on a thread
+                        functools.partial(tokenize_only, chat_template=chat_template))
     try:
         while not wctx.stopping:
             if parked:
                 finish_parked(parked, grammars, context_length, wctx, to_sched, vision, chat_template)
-            if not inbox.poll(5 if parked else 100):
+            for answer in jobs.finished():
+                wctx.send_main(answer)
+            if not inbox.poll(5 if parked or jobs.pending else 100):
                 continue
             data = inbox.recv()
             try:
@@ -250,10 +255,13 @@ def run(wctx: WorkerContext) -> None:
                     vision.on_ack(msg)
                 continue
             if isinstance(msg, TokenizeOnly):
-                wctx.send_main(tokenize_only(tokenizer, msg, chat_template))
+                busy = jobs.submit(msg)
+                if busy is not None:
+                    wctx.send_main(busy)
                 continue
             handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars, parked)
     finally:
+        jobs.close()
         if vision is not None:
             vision.close()
 
