@@ -286,9 +286,13 @@ async def discover_model(client: BenchClient) -> str:
 HOP_METRIC = "mllmd_first_token_hop_seconds"
 
 
+PREFIX_QUERIES, PREFIX_HITS = "mllmd_prefix_cache_queries_total", "mllmd_prefix_cache_hits_total"
+
+
 async def scrape_hops(client: BenchClient) -> dict[str, tuple[float, float]] | None:
     """hop -> (count, sum in seconds) of mllmd's first-token hop histogram (every model summed) from
-    GET /metrics; None where the server has no such metrics (another server, or /metrics refused)."""
+    GET /metrics, and under "prefix_cache" (prompt tokens looked up, found) of its prefix-cache
+    counters; None where the server has no such metrics (another server, or /metrics refused)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -305,7 +309,21 @@ async def scrape_hops(client: BenchClient) -> dict[str, tuple[float, float]] | N
             if sample.name in (f"{HOP_METRIC}_count", f"{HOP_METRIC}_sum") and "hop" in sample.labels:
                 slot = out.setdefault(sample.labels["hop"], [0.0, 0.0])
                 slot[0 if sample.name.endswith("_count") else 1] += sample.value
+            elif sample.name in (PREFIX_QUERIES, PREFIX_HITS):
+                slot = out.setdefault("prefix_cache", [0.0, 0.0])
+                slot[0 if sample.name == PREFIX_QUERIES else 1] += sample.value
     return {hop: (c, t) for hop, (c, t) in out.items()} or None
+
+
+def prefix_hit_rate(before: dict[str, tuple[float, float]] | None,
+                    after: dict[str, tuple[float, float]] | None) -> float | None:
+    """The share of the run's prompt tokens that the server found in its prefix cache (a run that
+    repeats an earlier run's prompts measures decode, not prefill: compare runs at equal rates)."""
+    if not before or not after or "prefix_cache" not in after:
+        return None
+    q0, h0 = before.get("prefix_cache", (0.0, 0.0))
+    q1, h1 = after["prefix_cache"]
+    return round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else None
 
 
 def hop_breakdown(before: dict[str, tuple[float, float]] | None,
@@ -316,6 +334,8 @@ def hop_breakdown(before: dict[str, tuple[float, float]] | None,
         return None
     out = {}
     for hop, (count, total) in after.items():
+        if hop == "prefix_cache":
+            continue
         c0, t0 = before.get(hop, (0.0, 0.0))
         if count > c0:
             out[hop] = round((total - t0) / (count - c0) * 1e3, 3)
@@ -396,7 +416,9 @@ async def run_benchmark(
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        hops = hop_breakdown(hops_before, await scrape_hops(client))
+        hops_after = await scrape_hops(client)
+        hops = hop_breakdown(hops_before, hops_after)
+        hit_rate = prefix_hit_rate(hops_before, hops_after)
 
     result: dict[str, Any] = {
         "benchmark": "serving",
@@ -412,6 +434,8 @@ async def run_benchmark(
     result.update(compute_metrics(requests, results, duration))
     # the client's own CPU time over the run: near duration_s means the client, not the server, set the pace
     result["client_cpu_s"] = round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 3)
+    if hit_rate is not None:  # the prompt tokens the server did not prefill (earlier runs' prompts)
+        result["prefix_cache_hit_rate"] = hit_rate
     if hops is not None:  # mean ms of each hop of a new request to its first token (an mllmd server)
         result["first_token_hops_ms"] = hops
     result["settings"] = settings(args, model)
@@ -451,6 +475,8 @@ def format_report(result: dict[str, Any]) -> str:
     for name, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e_latency", "E2E")):
         stats = " / ".join(fmt(result[f"{s}_{name}_ms"]) for s in ("mean", "p50", "p90", "p99"))
         rows.append((f"{label} mean/p50/p90/p99 (ms)", stats))
+    if result.get("prefix_cache_hit_rate") is not None:
+        rows.append(("Prefix-cache hit rate (prompt tokens)", fmt(result["prefix_cache_hit_rate"])))
     if result.get("first_token_hops_ms"):
         rows.append(("First-token hops, mean (ms)", " / ".join(f"{hop} {ms:.2f}" for hop, ms in result["first_token_hops_ms"].items())))
     width = max(len(k) for k, _ in rows)

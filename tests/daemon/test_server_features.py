@@ -362,6 +362,23 @@ def test_bench_serving_prints_the_hop_breakdown(d: Any, capsys: pytest.CaptureFi
     assert "First-token hops, mean (ms)" in capsys.readouterr().out
 
 
+def test_bench_serving_reports_prompts_served_from_the_prefix_cache(d: Any) -> None:
+    """A run that repeats an earlier run's prompts (the same seed) finds them in the prefix cache and
+    says so: its figures are not a cold run's."""
+    from mllmd.bench.serving import main as serving_main
+
+    def run(seed: int) -> float:
+        result = serving_main(["--base-url", d.base_url, "--api-key", d.api_key, "--model", MODEL, "--num-prompts", "4",
+                               "--token-ids-prompt", "--vocab-size", "5000", "--random-input-len", "96",
+                               "--random-output-len", "2", "--random-range-ratio", "1", "--max-concurrency", "2",
+                               "--warmup-requests", "0", "--seed", str(seed)])  # fmt: skip
+        return result["prefix_cache_hit_rate"]
+
+    cold = run(7001)
+    again = run(7001)
+    assert cold < 0.5 < again
+
+
 # ---- 10: while the boot model loads ------------------------------------------------------------
 def test_requests_while_the_boot_model_loads_get_503_loading(daemon_factory: Any) -> None:
     """The scheduler worker is held (SIGSTOP) as soon as it exists, so that the load cannot finish
