@@ -289,10 +289,17 @@ HOP_METRIC = "mllmd_first_token_hop_seconds"
 PREFIX_QUERIES, PREFIX_HITS = "mllmd_prefix_cache_queries_total", "mllmd_prefix_cache_hits_total"
 
 
-async def scrape_hops(client: BenchClient) -> dict[str, tuple[float, float]] | None:
-    """hop -> (count, sum in seconds) of mllmd's first-token hop histogram (every model summed) from
-    GET /metrics, and under "prefix_cache" (prompt tokens looked up, found) of its prefix-cache
-    counters; None where the server has no such metrics (another server, or /metrics refused)."""
+@dataclass(frozen=True)
+class ServerCounters:
+    """mllmd's counters that a run reads before and after itself, from GET /metrics (every model summed)."""
+
+    hops: dict[str, tuple[float, float]]  # first-token hop -> (count, sum in seconds)
+    prefix_cache: tuple[float, float] | None  # prompt tokens (looked up, found in the prefix cache)
+
+
+async def scrape_counters(client: BenchClient) -> ServerCounters | None:
+    """The first-token hop histogram and the prefix-cache counters; None where the server has no
+    such metrics (another server, or /metrics refused)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -303,26 +310,28 @@ async def scrape_hops(client: BenchClient) -> dict[str, tuple[float, float]] | N
         families = list(text_string_to_metric_families(text))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
-    out: dict[str, list[float]] = {}
+    hops: dict[str, list[float]] = {}
+    prefix: list[float] | None = None
     for family in families:
         for sample in family.samples:
             if sample.name in (f"{HOP_METRIC}_count", f"{HOP_METRIC}_sum") and "hop" in sample.labels:
-                slot = out.setdefault(sample.labels["hop"], [0.0, 0.0])
+                slot = hops.setdefault(sample.labels["hop"], [0.0, 0.0])
                 slot[0 if sample.name.endswith("_count") else 1] += sample.value
             elif sample.name in (PREFIX_QUERIES, PREFIX_HITS):
-                slot = out.setdefault("prefix_cache", [0.0, 0.0])
-                slot[0 if sample.name == PREFIX_QUERIES else 1] += sample.value
-    return {hop: (c, t) for hop, (c, t) in out.items()} or None
+                prefix = prefix or [0.0, 0.0]
+                prefix[0 if sample.name == PREFIX_QUERIES else 1] += sample.value
+    if not hops and prefix is None:
+        return None
+    return ServerCounters({hop: (c, t) for hop, (c, t) in hops.items()}, (prefix[0], prefix[1]) if prefix else None)
 
 
-def prefix_hit_rate(before: dict[str, tuple[float, float]] | None,
-                    after: dict[str, tuple[float, float]] | None) -> float | None:
+def prefix_hit_rate(before: ServerCounters | None, after: ServerCounters | None) -> float | None:
     """The share of the run's prompt tokens that the server found in its prefix cache (a run that
     repeats an earlier run's prompts measures decode, not prefill: compare runs at equal rates)."""
-    if not before or not after or "prefix_cache" not in after:
+    if before is None or after is None or after.prefix_cache is None:
         return None
-    q0, h0 = before.get("prefix_cache", (0.0, 0.0))
-    q1, h1 = after["prefix_cache"]
+    q0, h0 = before.prefix_cache or (0.0, 0.0)
+    q1, h1 = after.prefix_cache
     return round((h1 - h0) / (q1 - q0), 4) if q1 > q0 else None
 
 
@@ -334,8 +343,6 @@ def hop_breakdown(before: dict[str, tuple[float, float]] | None,
         return None
     out = {}
     for hop, (count, total) in after.items():
-        if hop == "prefix_cache":
-            continue
         c0, t0 = before.get(hop, (0.0, 0.0))
         if count > c0:
             out[hop] = round((total - t0) / (count - c0) * 1e3, 3)
@@ -402,7 +409,7 @@ async def run_benchmark(
                 return await send_request(client, path, body)
 
         gaps = poisson_intervals(len(requests), args.request_rate, random.Random(args.seed))
-        hops_before = await scrape_hops(client)  # mllmd's per-hop first-token times, around the run
+        counters_before = await scrape_counters(client)  # mllmd's first-token hops and prefix cache, around the run
         tasks: list[asyncio.Task[RequestResult]] = []
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
@@ -416,9 +423,9 @@ async def run_benchmark(
         results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-        hops_after = await scrape_hops(client)
-        hops = hop_breakdown(hops_before, hops_after)
-        hit_rate = prefix_hit_rate(hops_before, hops_after)
+        counters_after = await scrape_counters(client)
+        hops = hop_breakdown(counters_before and counters_before.hops, counters_after and counters_after.hops)
+        hit_rate = prefix_hit_rate(counters_before, counters_after)
 
     result: dict[str, Any] = {
         "benchmark": "serving",

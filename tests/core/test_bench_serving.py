@@ -372,13 +372,13 @@ def test_hop_breakdown_is_the_mean_over_the_run() -> None:
 
 
 def test_prefix_hit_rate_is_the_runs_share_of_cached_prompt_tokens() -> None:
-    from mllmd.bench.serving import hop_breakdown, prefix_hit_rate
+    from mllmd.bench.serving import ServerCounters, prefix_hit_rate
 
-    before = {"prefill": (2.0, 0.1), "prefix_cache": (1000.0, 200.0)}
-    after = {"prefill": (4.0, 0.3), "prefix_cache": (1400.0, 500.0)}
+    before = ServerCounters({"prefill": (2.0, 0.1)}, (1000.0, 200.0))
+    after = ServerCounters({"prefill": (4.0, 0.3)}, (1400.0, 500.0))
     assert prefix_hit_rate(before, after) == 0.75
-    assert hop_breakdown(before, after) == {"prefill": 100.0}  # the counters are no hop
     assert prefix_hit_rate(before, before) is None and prefix_hit_rate(None, after) is None
+    assert prefix_hit_rate(before, ServerCounters({}, None)) is None  # a server without the counters
 
 
 def test_no_hops_from_a_server_without_them(server: tuple[FakeState, str]) -> None:
