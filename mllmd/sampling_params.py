@@ -151,14 +151,19 @@ class SamplingParams:
 
 
 def fit_max_tokens(
-    requested: int | None, default: int | None, prompt_tokens: int, context_length: int, prompt_param: str
+    requested: int | None,
+    default: int | None,
+    prompt_tokens: int,
+    context_length: int,
+    prompt_param: str,
+    budget_param: str = "max_tokens",
 ) -> int:
     """The output-token limit of a request once its prompt length is known.
 
-    `requested` (the client's max_tokens) is kept as given: a prompt + max_tokens over the context is
-    the engine's to refuse, naming both. Unset, the limit is `default` capped at what the context
-    leaves, or (default None) all of it. A prompt that leaves no room at all is refused here, naming
-    `prompt_param`.
+    `requested` (the client's max_tokens, sent as `budget_param`) is kept as given, and refused here,
+    naming both numbers and that field, when prompt + requested is over the context (the engine refuses
+    what is over its KV cache). Unset, the limit is `default` capped at what the context leaves, or
+    (default None) all of it. A prompt that leaves no room at all is refused, naming `prompt_param`.
     """
     room = context_length - prompt_tokens
     if room < 1:
@@ -166,6 +171,12 @@ def fit_max_tokens(
             f"the prompt has {prompt_tokens} tokens but the model's context length is {context_length} "
             "(at least one token must be left for the completion)",
             prompt_param,
+        )
+    if requested is not None and requested > room:
+        raise InvalidSamplingParam(
+            f"prompt ({prompt_tokens} tokens) + {budget_param} ({requested}) = {prompt_tokens + requested} "
+            f"tokens exceeds the context length of {context_length}",
+            budget_param,
         )
     return requested if requested is not None else output_limit(default, room)
 

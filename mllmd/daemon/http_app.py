@@ -168,7 +168,7 @@ class Api:
             except Exception:  # the status line is gone: end the stream with an error event
                 _errors.exception(f"stream:{request.url.path}", "a %s stream failed", request.url.path)
                 yield R.sse({"error": {"message": "Internal server error.", "type": "server_error",
-                                       "param": None, "code": 500}})
+                                       "param": None, "code": None}})
             finally:
                 if isinstance(first, _Pending):
                     first.task.cancel()  # the client left during the keep-alives: nobody waits for it
@@ -266,8 +266,8 @@ class Api:
         req = await self._parse(request, protocol.parse_completion_request)
         model = self._check_model(req.model)
         self._check_ready()
+        echo = await self._echo_texts(req.prompts, req.n) if req.echo else [""] * (len(req.prompts) * req.n)
         states = await self._submit_batch(request, req, req.n, "prompt")
-        echo = [p if isinstance(p, str) else "" for p in req.prompts for _ in range(req.n)]
         if req.stream:
             return await self._respond(request, states, serving.completion_stream(states, req, model, echo), None)
         return await self._respond(request, states, None, serving.completion_full(states, req, model, echo))
@@ -346,6 +346,15 @@ class Api:
         slot = self.d.serving_slot(1)
         text = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, tokens))).text
         return JSONResponse({"prompt": text})
+
+    async def _echo_texts(self, prompts: list[str | list[int]], n: int) -> list[str]:
+        """Each choice's prompt as `echo` returns it: a prompt of token ids as the tokenizer decodes it."""
+        texts = []
+        for p in prompts:
+            if not isinstance(p, str):
+                p = (await self._tokenizer(self.d.serving_slot(1), TokenizeOnly(_query_id(), None, list(p)))).text
+            texts += [p] * n
+        return texts
 
     async def _tokenizer(self, slot: Any, msg: TokenizeOnly) -> Any:
         result = await slot.tokenize_only(msg)

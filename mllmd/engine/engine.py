@@ -126,12 +126,14 @@ class Engine:
         if total > info.context_length:
             raise AdmissionError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the context length of {info.context_length}"
+                f"exceeds the context length of {info.context_length}",
+                "max_tokens",
             )
         if total > self.runner.max_total_tokens:
             raise AdmissionError(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds the KV cache of {self.runner.max_total_tokens} tokens"
+                f"exceeds the KV cache of {self.runner.max_total_tokens} tokens",
+                "max_tokens",
             )
         mrope = check_images(prompt_ids, images or [], info.image_token_id, info.spatial_merge_size)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
@@ -265,6 +267,8 @@ class Engine:
             batch = self.runner.prepare(sched)
             logits = self.runner.forward(batch)
             if timer is not None:
+                if batch.prefill_graph is not None:  # the graph computes its bucket, padding included
+                    timer.tokens = batch.prefill_graph[0]
                 timer.stop()
                 self._step_timers = [*self._step_timers[-63:], timer]
             self.scheduler.commit(sched)

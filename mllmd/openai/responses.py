@@ -80,18 +80,23 @@ class TokenLogprob:
     """One generated token, its logprob and the most likely alternatives at its position.
 
     ``raw`` is the token's bytes when it is not valid UTF-8 alone (a byte-level BPE piece of a
-    multi-byte character); by default ``token.encode()``. ``logprob`` None (the first prompt token
-    under completions' ``echo``) is sent as null.
+    multi-byte character); by default ``token.encode()``; each alternative is (text, logprob, its
+    bytes or None for ``text.encode()``). ``logprob`` None (the first prompt token under
+    completions' ``echo``) is sent as null.
     """
 
     token: str
     logprob: float | None
-    top_logprobs: Sequence[tuple[str, float]] = field(default_factory=tuple)
+    top_logprobs: Sequence[tuple[str, float, bytes | None]] = field(default_factory=tuple)
     raw: bytes | None = None
 
     @property
     def token_bytes(self) -> list[int]:
-        return list(self.raw if self.raw is not None else self.token.encode("utf-8", "surrogatepass"))
+        return _bytes_of(self.token, self.raw)
+
+
+def _bytes_of(token: str, raw: bytes | None) -> list[int]:
+    return list(raw if raw is not None else token.encode("utf-8", "surrogatepass"))
 
 
 def _lp(x: float | None) -> float:
@@ -109,8 +114,8 @@ def chat_logprobs(tokens: Sequence[TokenLogprob]) -> dict[str, Any]:
             "logprob": _lp(t.logprob),
             "bytes": t.token_bytes,
             "top_logprobs": [
-                {"token": tok, "logprob": _lp(lp), "bytes": list(tok.encode("utf-8", "surrogatepass"))}
-                for tok, lp in t.top_logprobs
+                {"token": tok, "logprob": _lp(lp), "bytes": _bytes_of(tok, raw)}
+                for tok, lp, raw in t.top_logprobs
             ],
         }
         for t in tokens
@@ -129,7 +134,7 @@ def completion_logprobs(tokens: Sequence[TokenLogprob], text_offset: int = 0) ->
         "tokens": [t.token for t in tokens],
         "token_logprobs": [None if t.logprob is None else _lp(t.logprob) for t in tokens],
         "top_logprobs": [
-            None if t.logprob is None else {tok: _lp(lp) for tok, lp in t.top_logprobs} for t in tokens
+            None if t.logprob is None else {tok: _lp(lp) for tok, lp, _ in t.top_logprobs} for t in tokens
         ],
         "text_offset": offsets,
     }

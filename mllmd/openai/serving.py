@@ -14,7 +14,7 @@ from typing import Any
 
 from mllmd.messages import PromptMeta, RequestFailed, TextOutput, TokenLogprob
 from mllmd.openai import responses as R
-from mllmd.openai.errors import error_for_failure, failure_status
+from mllmd.openai.errors import error_for_failure
 from mllmd.openai.reasoning_parser import get_reasoning_parser
 from mllmd.openai.tool_parser import ContentDelta, get_tool_parser
 
@@ -57,9 +57,9 @@ def raise_if_error(item: Result) -> TextOutput:
 
 
 def stream_error(item: RequestFailed) -> bytes:
-    """The SSE event that ends a stream whose request failed after its first event."""
-    return R.sse({"error": {"message": item.message, "type": "server_error", "param": None,
-                            "code": failure_status(item)}})
+    """The SSE event that ends a stream whose request failed after its first event: the body the same
+    failure gets as an HTTP error (a refused request is an invalid_request_error naming its field)."""
+    return R.sse(error_for_failure(item).to_dict())
 
 
 def _ends(item: Result) -> bool:
@@ -118,7 +118,7 @@ def _token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogp
     return [
         R.TokenLogprob(
             token=e.token, logprob=e.logprob, raw=bytes(e.bytes),
-            top_logprobs=[(t.token, t.logprob) for t in e.top[:top_n]],
+            top_logprobs=[(t.token, t.logprob, bytes(t.bytes)) for t in e.top[:top_n]],
         )
         for e in entries
     ]
@@ -126,6 +126,12 @@ def _token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogp
 
 def _finish(reason: str | None) -> str:
     return "length" if reason == "length" else "stop"
+
+
+def _tool_finish(reason: str | None, has_calls: bool) -> str:
+    """"tool_calls" for a reply with calls that ended by itself; a reply cut by max_tokens is "length"
+    even with calls in it (its last call may be cut short, and its text holds the cut markup)."""
+    return "tool_calls" if has_calls and reason != "length" else _finish(reason)
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -160,7 +166,7 @@ async def chat_full(states: list[Any], req: Any, opts: ChatOptions) -> dict[str,
     out = []
     for i, c in enumerate(choices):
         reasoning, content, calls = _split_chat(c.text, c.meta, req, opts)
-        reason = "tool_calls" if calls else _finish(c.finish_reason)
+        reason = _tool_finish(c.finish_reason, bool(calls))
         lp = R.chat_logprobs(_token_logprobs(c.logprobs, req.top_logprobs)) if req.logprobs else None
         out.append(R.chat_choice(i, R.chat_message(content, calls or None, reasoning), reason, lp))
     return R.chat_completion(R.chat_completion_id(), opts.model, R.now(), out, usage_of(choices))
@@ -198,7 +204,7 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
                 yield R.sse(R.chat_chunk(cid, opts.model, created, [R.chat_chunk_choice(i, delta, None, lp)],
                                          include_usage=inc))
             if final:
-                reason = "tool_calls" if tools[i] is not None and tools[i].tool_calls else _finish(c.finish_reason)
+                reason = _tool_finish(c.finish_reason, tools[i] is not None and bool(tools[i].tool_calls))
                 lp, pending[i] = _chat_logprobs_of(pending[i], req.top_logprobs), []
                 yield R.sse(R.chat_finish_chunk(cid, opts.model, created, i, reason, inc, lp))
         if inc:

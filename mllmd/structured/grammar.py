@@ -75,7 +75,7 @@ def _xml_value(xgr: Any, schema: Any) -> Any:
             values = [_literal(xgr, v) for v in enum]
             return values[0] if len(values) == 1 else xgr.Grammar.union(*values)
         return xgr.Grammar.from_regex(r"[^<]*")
-    return xgr.Grammar.from_json_schema(json.dumps(schema if isinstance(schema, dict) else {}), any_whitespace=False)
+    return json_schema_grammar(xgr, json.dumps(schema if isinstance(schema, dict) else {}))
 
 
 def _xml_call(xgr: Any, tool: ToolSchema) -> Any:
@@ -93,19 +93,36 @@ def _xml_call(xgr: Any, tool: ToolSchema) -> Any:
     return xgr.Grammar.concat(*parts)
 
 
+# xgrammar (0.2.9) writes a string with minLength / maxLength as a run of one character class,
+# `[^"\\\r\n]`, that lets a raw tab or NUL through (invalid JSON: `json.loads` and pydantic refuse it)
+# and no escape at all; its unbounded strings (`basic_string`) exclude U+0000-U+001F and allow escapes.
+# The bounded class is rewritten to the same characters as basic_string, one escape counting as one.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\] | "\\" [\"\\/bfnrt] | "\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]'
+
+
+def json_schema_grammar(xgr: Any, schema: str, *, strict_mode: bool = True, any_whitespace: bool = False) -> Any:
+    """xgrammar's grammar of a JSON schema, its length-bounded strings limited to valid JSON characters."""
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace, strict_mode=strict_mode)
+    text = str(grammar)
+    if _BOUNDED_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 def build_grammar(xgr: Any, c: OutputConstraint) -> Any:
     """The xgrammar Grammar of a constraint (compact JSON: no free whitespace for a model to ramble in)."""
     if c.kind == "json_object":
-        return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False, strict_mode=False)
+        return json_schema_grammar(xgr, json.dumps({"type": "object"}), strict_mode=False)
     if c.kind == "json_schema":
         assert c.schema is not None
-        return xgr.Grammar.from_json_schema(c.schema, any_whitespace=False, strict_mode=c.strict)
+        return json_schema_grammar(xgr, c.schema, strict_mode=c.strict)
     if c.tool_format == "qwen3_xml":
         bodies = [_xml_call(xgr, t) for t in c.tools]
         body = bodies[0] if len(bodies) == 1 else xgr.Grammar.union(*bodies)
     else:
         schema = {"anyOf": [_call_schema(t) for t in c.tools]} if len(c.tools) > 1 else _call_schema(c.tools[0])
-        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        body = json_schema_grammar(xgr, json.dumps(schema))
     call = xgr.Grammar.concat(_literal(xgr, "<tool_call>\n"), body, _literal(xgr, "\n</tool_call>"))
     calls = call
     for _ in range(MAX_PARALLEL_CALLS - 1 if c.parallel else 0):

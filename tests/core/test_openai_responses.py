@@ -67,9 +67,10 @@ def test_ids_and_sse():
 
 def _logprob_tokens() -> list[R.TokenLogprob]:
     return [
-        R.TokenLogprob("Hel", -0.25, [("Hel", -0.25), ("He", -1.5)]),
-        R.TokenLogprob("lo", float("-inf"), [("lo", float("-inf"))]),
-        R.TokenLogprob("\ufffd", -3.0, [], raw=b"\xe4"),
+        R.TokenLogprob("Hel", -0.25, [("Hel", -0.25, None), ("He", -1.5, None)]),
+        R.TokenLogprob("lo", float("-inf"), [("lo", float("-inf"), None)]),
+        # a byte-level piece: its text is an escape, its bytes (chosen and alternative alike) the real ones
+        R.TokenLogprob("\\xe4", -3.0, [("\\xe4", -3.0, b"\xe4"), ("a", -4.0, None)], raw=b"\xe4"),
     ]
 
 
@@ -94,10 +95,10 @@ def test_chat_completion_validates():
     assert m.object == "chat.completion"
     assert m.choices[0].message.content == "Hello"
     lp = m.choices[0].logprobs.content
-    assert [e.token for e in lp] == ["Hel", "lo", "\ufffd"]
+    assert [e.token for e in lp] == ["Hel", "lo", "\\xe4"]
     assert lp[0].top_logprobs[1].token == "He" and lp[0].top_logprobs[1].bytes == [72, 101]
     assert lp[1].logprob == R.MIN_LOGPROB  # -inf is not JSON
-    assert lp[2].bytes == [0xE4]
+    assert lp[2].bytes == [0xE4] and lp[2].top_logprobs[0].bytes == [0xE4] and lp[2].top_logprobs[1].bytes == [97]
     assert m.choices[1].message.tool_calls[0].function.name == "f"
     assert m.choices[1].finish_reason == "tool_calls"
     assert m.choices[2].message.model_extra == {"reasoning_content": "thinking", "reasoning": "thinking"}
@@ -167,13 +168,13 @@ def test_completion_validates():
     )
     m = check(Completion, body)
     lp = m.choices[0].logprobs
-    assert lp.tokens == ["Hel", "lo", "\ufffd"]
+    assert lp.tokens == ["Hel", "lo", "\\xe4"]
     assert lp.text_offset == [5, 8, 10]
     assert lp.top_logprobs[0] == {"Hel": -0.25, "He": -1.5}
     assert lp.token_logprobs[1] == R.MIN_LOGPROB
     with pytest.raises(ValueError):
         R.completion_choice(0, "", "tool_calls")
-    echo = R.completion_logprobs([R.TokenLogprob("A", None), R.TokenLogprob("B", -1.0, [("B", -1.0)])])
+    echo = R.completion_logprobs([R.TokenLogprob("A", None), R.TokenLogprob("B", -1.0, [("B", -1.0, None)])])
     assert echo["token_logprobs"] == [None, -1.0] and echo["top_logprobs"] == [None, {"B": -1.0}]
 
 

@@ -200,7 +200,11 @@ def test_values_known_only_to_the_workers_are_400(h: Any, stream: bool) -> None:
     """Checks made after tokenization (context room, vocabulary) are still HTTP 400s, even when
     streaming: an error known before the first token is never a 200 followed by an SSE error."""
     cases = [
-        (CHAT, {"messages": MSG, "max_tokens": 10**9}, ["1000000000", str(CONTEXT)], "*"),
+        (CHAT, {"messages": MSG, "max_tokens": 10**9}, ["1000000000", str(CONTEXT)], "max_tokens"),
+        # the field named is the one the client sent (the OpenAI SDK sends max_completion_tokens)
+        (CHAT, {"messages": MSG, "max_completion_tokens": 10**9}, ["max_completion_tokens (1000000000)"],
+         "max_completion_tokens"),
+        (COMPL, {"prompt": [1, 2], "max_tokens": CONTEXT}, [str(CONTEXT + 2)], "max_tokens"),  # no tokenizer hop
         (COMPL, {"prompt": [10**9]}, ["1000000000"], "prompt"),  # a token id outside the vocabulary
         (COMPL, {"prompt": "hi", "logit_bias": {str(10**8): 5}}, [], "logit_bias"),
         (COMPL, {"prompt": [1, 2], "logit_bias": {str(10**8): 5}}, [], "logit_bias"),  # ids: no tokenizer hop

@@ -209,6 +209,33 @@ def test_completions_n2_and_echo(client: Any) -> None:
     assert r.choices[0].text.startswith(PROMPT) and len(r.choices[0].text) > len(PROMPT)
 
 
+def test_completions_echo_of_token_id_prompts(client: Any, tokenizer: Any) -> None:
+    """echo returns a token-id prompt as text (as OpenAI does; lm-eval scores token prompts with echo), and
+    its logprobs' tokens and offsets describe that text."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    other = tokenizer("Once upon a time")["input_ids"]
+
+    def echoed(prompt: Any, stream: bool, logprobs: int | None) -> tuple[dict[int, str], dict[int, list[str]]]:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, echo=True, logprobs=logprobs,
+                                      temperature=0, stream=stream, extra_body=IGNORE_EOS)
+        texts: dict[int, str] = {}
+        tokens: dict[int, list[str]] = {}
+        for ch in list(r) if stream else [r]:
+            for c in ch.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                tokens[c.index] = tokens.get(c.index, []) + (c.logprobs.tokens if c.logprobs else [])
+        return texts, tokens
+
+    for stream in (False, True):
+        for logprobs in (None, 1):
+            as_text, _ = echoed(PROMPT, stream, logprobs)
+            texts, tokens = echoed([ids, other], stream, logprobs)
+            assert texts[0] == as_text[0] and texts[0].startswith(PROMPT), (texts, as_text)
+            assert texts[1].startswith("Once upon a time"), texts
+            if logprobs:
+                assert "".join(tokens[0]) == texts[0] and "".join(tokens[1]) == texts[1]
+
+
 def test_completions_batch_of_prompts(client: Any, tokenizer: Any) -> None:
     """A list of prompts (LangChain and lm-eval send them): n choices each, index = prompt * n + j, each the
     text that prompt gives alone, usage counting every prompt once."""

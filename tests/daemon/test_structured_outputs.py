@@ -197,3 +197,30 @@ def test_a_schema_that_cannot_be_compiled_is_a_400_naming_it(daemon: DaemonProc,
     assert e.value.body["param"].startswith("response_format")
     ok = client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, max_tokens=4)
     assert ok.choices[0].message.content is not None
+
+
+def test_a_reply_cut_inside_its_tool_calls_ends_by_length(daemon: DaemonProc) -> None:
+    """A reply that max_tokens cuts while it writes its calls finishes "length", not "tool_calls" (a client
+    would run a call list that is cut short, and the cut markup is in its content)."""
+    client = daemon.openai()
+    seen = set()
+    for max_tokens in range(16, 80, 4):
+        for stream in (False, True):
+            reply = client.chat.completions.create(model="tiny-qwen3", messages=MESSAGES, max_tokens=max_tokens,
+                                                   temperature=1.0, seed=1, tools=[WEATHER, TIME],
+                                                   tool_choice="required", stream=stream,
+                                                   stream_options={"include_usage": True} if stream else None)
+            if stream:
+                chunks = list(reply)
+                reasons = [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason]
+                calls = [t for ch in chunks for c in ch.choices for t in (c.delta.tool_calls or []) if t.id]
+                used = chunks[-1].usage.completion_tokens
+            else:
+                reasons = [reply.choices[0].finish_reason]
+                calls = reply.choices[0].message.tool_calls or []
+                used = reply.usage.completion_tokens
+            cut = used == max_tokens
+            assert reasons == ["length" if cut else "tool_calls"], (max_tokens, stream, used, reasons)
+            seen.add((cut, bool(calls)))
+    assert (True, True) in seen, seen  # a reply cut after a whole call was met (the random model writes
+    # parallel calls until cut; test_forced_tool_choice_always_returns_a_valid_call has replies that end)
