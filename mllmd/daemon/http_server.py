@@ -11,6 +11,12 @@ socket, worker restarts and the log). The guard adds, per connection:
 - connection counts, TCP and Unix socket apart (`server.max_connections`, `server.max_unix_connections`):
   past the limit a new connection is answered 503 and closed at once, so the admin socket always has
   room. The TCP limit never exceeds what the open-file limit leaves (see `connection_caps`);
+- a body deadline (`server.body_timeout`): once the headers are in, the body must be complete in
+  time, else the connection closes (a handler that reads the body answers 408 first). A handler that
+  answers without reading the body (/health, a 401) would otherwise leave the connection waiting for
+  the rest of a chunked body forever: uvicorn's keep-alive timer restarts with every byte;
+- a response sent before its request's body ended closes the connection (after a lingering close):
+  nothing more is wanted from it, and a client dribbling the body could otherwise hold it;
 - idle keep-alive connections close after `server.keepalive_timeout` (uvicorn's own timer).
 """
 
@@ -69,17 +75,20 @@ class ConnectionGuard:
     caps: ConnectionCaps
     header_timeout: float
     max_header_bytes: int
+    body_timeout: float = 60.0
     open: dict[str, int] = field(default_factory=lambda: {"tcp": 0, "unix": 0})
     refused: int = 0  # connections closed at once: over the limit
     timed_out: int = 0  # headers not complete within header_timeout
     too_large: int = 0  # headers over max_header_bytes
+    body_timed_out: int = 0  # bodies not complete within body_timeout (+ LINGER)
 
     def limit(self, kind: str) -> int:
         return self.caps.unix if kind == "unix" else self.caps.tcp
 
     def stats(self) -> dict[str, Any]:
         return {"open": dict(self.open), "limits": {"tcp": self.caps.tcp, "unix": self.caps.unix},
-                "refused": self.refused, "header_timeouts": self.timed_out, "headers_too_large": self.too_large}
+                "refused": self.refused, "header_timeouts": self.timed_out, "headers_too_large": self.too_large,
+                "body_timeouts": self.body_timed_out}
 
 
 def _response(status: int, phrase: str, message: str, code: str, retry_after: int | None = None) -> bytes:
@@ -109,6 +118,8 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
         _headers_pending = True
         _header_bytes = 0
         _header_timer: asyncio.TimerHandle | None = None
+        _body_pending = False
+        _body_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._kind = "unix" if isinstance(transport.get_extra_info("sockname"), str) else "tcp"
@@ -126,6 +137,7 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
+            self._cancel_body_timer()
             if self._counted:
                 guard.open[self._kind] -= 1
                 self._counted = False
@@ -159,11 +171,33 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._headers_pending = False
             self._cancel_header_timer()
+            self._body_pending = True
+            # LINGER after body_timeout: a handler reading the body answers its 408 first
+            self._body_timer = self.loop.call_later(guard.body_timeout + LINGER, self._body_deadline)
             super().on_headers_complete()
 
         def on_message_complete(self) -> None:
+            self._body_pending = False
+            self._cancel_body_timer()
             super().on_message_complete()
             self._headers_pending, self._header_bytes = True, 0  # what comes next is a new request
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self._body_pending and not self._closed_by_guard and not self.transport.is_closing():
+                self._close_with(b"", linger=True)  # answered before its body ended: nothing more to read
+
+        # the body deadline
+        def _cancel_body_timer(self) -> None:
+            if self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_deadline(self) -> None:
+            self._body_timer = None
+            if self._body_pending and not self.transport.is_closing():
+                guard.body_timed_out += 1
+                self._close_with(b"")
 
         # the header deadline
         def _start_header_timer(self) -> None:
@@ -180,16 +214,19 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
                 guard.timed_out += 1
                 self._close_with(too_slow if self._header_bytes else b"")
 
-        def _close_with(self, response: bytes) -> None:
-            """Answer and close. With an answer, a lingering close: our side is shut for writing and
-            what the client still sends is read and dropped for up to LINGER seconds, so that its
-            kernel does not discard the answer (a close with unread data sends a reset)."""
+        def _close_with(self, response: bytes, linger: bool = False) -> None:
+            """Answer and close. With an answer (or `linger`: one was sent already), a lingering close:
+            our side is shut for writing and what the client still sends is read and dropped for up to
+            LINGER seconds, so that its kernel does not discard the answer (a close with unread data
+            sends a reset)."""
             self._closed_by_guard = True
             self._cancel_header_timer()
-            if not response:
+            self._cancel_body_timer()
+            if not response and not linger:
                 self.transport.close()
                 return
-            self.transport.write(response)
+            if response:
+                self.transport.write(response)
             if self.transport.can_write_eof():
                 self.transport.write_eof()
                 self.loop.call_later(LINGER, self.transport.close)

@@ -646,7 +646,7 @@ class Daemon:
         logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())
         srv = self.config.server
         caps = connection_caps(srv.max_connections, srv.max_unix_connections, raise_nofile_limit())
-        self.connections = ConnectionGuard(caps, srv.header_timeout, srv.max_header_bytes)
+        self.connections = ConnectionGuard(caps, srv.header_timeout, srv.max_header_bytes, srv.body_timeout)
         sockets = [_tcp_listener(srv.host, srv.port, caps.backlog)]
         uds_ident = None
         if srv.unix_socket:

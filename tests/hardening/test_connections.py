@@ -23,13 +23,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 KEY = "sk-connections-0123456789"
 HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 3.0
 MAX_HEADER_BYTES = 16384
 
 
 @pytest.fixture(scope="module")
 def d(tiny_model: Path) -> Any:
     daemon = start_daemon(tiny_model, "--server.header_timeout", str(HEADER_TIMEOUT), "--server.max_header_bytes",
-                          str(MAX_HEADER_BYTES), api_key=KEY)
+                          str(MAX_HEADER_BYTES), "--server.body_timeout", str(BODY_TIMEOUT), api_key=KEY)
     yield daemon
     stop_and_check(daemon)
 
@@ -91,6 +92,51 @@ def test_slowloris_connections_are_closed(d: Any) -> None:
         s.close()
     stats = status(d)["connections"]
     assert stats["header_timeouts"] >= 20, stats
+    assert health_ok(d)
+
+
+def test_a_dribbled_body_does_not_hold_its_connection(d: Any) -> None:
+    """Before: headers sent in time, then a chunked body a byte every few seconds, held the connection
+    for ever where the handler answered without reading the body (/health, a 401: uvicorn waits for the
+    body's end, its keep-alive timer restarted by every byte), and after the 408 of one that did; 1,000
+    such connections (3 KB/s) kept everyone else at 503. Now a response sent before the body ended
+    closes the connection, and a body must end within server.body_timeout."""
+    chunked = "Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n"
+    heads = [
+        f"GET /health HTTP/1.1\r\nHost: x\r\n{chunked}\r\n",
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{chunked}\r\n",  # no key: 401
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{chunked}\r\n",
+    ]
+    socks = connect(d, len(heads))
+    for s, head in zip(socks, heads):
+        s.sendall(head.encode() + b"1\r\n{\r\n")
+    stop = threading.Event()
+
+    def dribble() -> None:
+        while not stop.is_set():
+            for s in socks:
+                try:
+                    s.send(b"1\r\n \r\n")
+                except OSError:
+                    pass
+            time.sleep(0.3)
+
+    t = threading.Thread(target=dribble, daemon=True)
+    t.start()
+    start = time.monotonic()
+    try:
+        outcomes = [closed_by_server(s, BODY_TIMEOUT + 15) for s in socks]
+    finally:
+        stop.set()
+        t.join(5)
+    took = time.monotonic() - start
+    assert all(o is not None for o in outcomes), ("a dribbling connection stayed open", outcomes)
+    statuses = [o.split(b"\r\n", 1)[0] for o in outcomes if o is not None]
+    assert statuses[0].startswith(b"HTTP/1.1 200") and statuses[1].startswith(b"HTTP/1.1 401"), statuses
+    assert statuses[2].startswith(b"HTTP/1.1 408"), statuses  # the handler's body deadline
+    assert took < BODY_TIMEOUT + 10, took
+    for s in socks:
+        s.close()
     assert health_ok(d)
 
 
