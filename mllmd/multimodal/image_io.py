@@ -51,6 +51,7 @@ import re
 import socket
 import ssl
 import stat
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -251,10 +252,32 @@ def _read_local(path_text: str, limits: ImageLimits, where: str) -> bytes:
 # --- remote URLs --------------------------------------------------------------------------------
 
 
+# Cloud metadata services outside the link-local range (169.254.169.254 is link-local already):
+# Alibaba's, AWS's IPv6 one, and Oracle's.
+_METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in ("100.100.100.200", "fd00:ec2::254", "192.0.0.192"))
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known NAT64 prefix: an IPv4 address in its last 32 bits
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")  # Linux connects 0.x.y.z to this host
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one reaches (mapped, NAT64, 6to4), if any."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address in _NAT64:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return address.sixtofour
+
+
 def _address_refusal(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """Why the appliance must not connect to `address` (None: allowed)."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
+    if address in _METADATA_ADDRESSES:
+        return "cloud metadata"
+    if isinstance(address, ipaddress.IPv6Address):
+        inner = _embedded_ipv4(address)
+        if inner is not None:
+            return _address_refusal(inner)
+    elif address in _THIS_NETWORK:
+        return "unspecified"
     if address.is_loopback:
         return "loopback"
     if address.is_link_local:
@@ -328,6 +351,13 @@ def _fetch_remote(url: str, limits: ImageLimits, where: str) -> bytes:
         address = resolve_remote_host(parts.hostname, port, where=where)
         cls = _PinnedHTTPSConnection if scheme == "https" else _PinnedHTTPConnection
         conn = cls(parts.hostname, port, address, limits.remote_timeout)
+        # The socket timeout bounds one read, not the download: a server sending a byte every few
+        # seconds (headers or body) would hold the fetch for ever. The watchdog shuts the socket at
+        # the deadline, which ends any read in progress.
+        watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), _shut, (conn,))
+        watchdog.daemon = True
+        watchdog.start()
+        response = None
         try:
             target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             conn.request("GET", target, headers={"User-Agent": "mllmd", "Accept": "image/*"})
@@ -345,14 +375,36 @@ def _fetch_remote(url: str, limits: ImageLimits, where: str) -> bytes:
                     f"{where}{parts.hostname} answered HTTP {response.status} {response.reason} ({RULE_FETCH})",
                     RULE_FETCH,
                 )
-            return _read_capped(response, limits, deadline, where)
+            data = _read_capped(response, limits, deadline, where)
+            if time.monotonic() >= deadline:  # the watchdog cut it: what was read is not the whole image
+                raise _too_slow(where, limits)
+            return data
         except (OSError, http.client.HTTPException) as exc:
+            if time.monotonic() >= deadline:
+                raise _too_slow(where, limits) from None
             raise ImageError(
                 f"{where}fetching the image from {parts.hostname} failed: {exc} ({RULE_FETCH})", RULE_FETCH
             ) from None
         finally:
+            watchdog.cancel()
+            if response is not None:
+                response.close()
             conn.close()
     raise ImageError(f"{where}more than {MAX_REDIRECTS} redirects ({RULE_FETCH})", RULE_FETCH)
+
+
+def _shut(conn: http.client.HTTPConnection) -> None:
+    """The watchdog's end of a download past its deadline: shut the socket, ending a blocked read."""
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _too_slow(where: str, limits: ImageLimits) -> ImageError:
+    return ImageError(f"{where}the download took longer than {limits.remote_timeout:g} s ({RULE_FETCH})", RULE_FETCH)
 
 
 def _read_capped(
@@ -365,10 +417,8 @@ def _read_capped(
     total = 0
     while True:
         if time.monotonic() > deadline:
-            raise ImageError(
-                f"{where}the download took longer than {limits.remote_timeout:g} s ({RULE_FETCH})", RULE_FETCH
-            )
-        chunk = response.read(_READ_CHUNK)
+            raise _too_slow(where, limits)
+        chunk = response.read1(_READ_CHUNK)
         if not chunk:
             return b"".join(chunks)
         total += len(chunk)

@@ -62,7 +62,8 @@ def not_found(message: str, param: str | None = None, code: str | None = None) -
 
 def model_not_found(model: str) -> APIError:
     """404 for a ``model`` the server does not serve (OpenAI's code ``model_not_found``)."""
-    return not_found(f"The model '{model}' does not exist or is not loaded.", "model", "model_not_found")
+    shown = model if len(model) <= 200 else model[:200] + "..."  # a client's megabyte of name is not echoed
+    return not_found(f"The model '{shown}' does not exist or is not loaded.", "model", "model_not_found")
 
 
 def payload_too_large(message: str = "Request body is too large.") -> APIError:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import base64
 import http.server
 import os
+import socket
 import struct
 import threading
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -324,6 +326,12 @@ def test_local_server_is_refused_as_loopback(server: tuple[str, dict]) -> None:
         ("http://0.0.0.0/x.png", "unspecified"),
         ("http://[::]/x.png", "unspecified"),
         ("http://224.0.0.1/x.png", "multicast"),
+        ("http://0.1.2.3/x.png", "unspecified"),  # Linux connects 0.0.0.0/8 to this host
+        ("http://[64:ff9b::7f00:1]/x.png", "loopback"),  # NAT64 of 127.0.0.1
+        ("http://[64:ff9b::a9fe:a9fe]/x.png", "link-local"),  # NAT64 of 169.254.169.254
+        ("http://[2002:7f00:1::]/x.png", "loopback"),  # 6to4 of 127.0.0.1
+        ("http://100.100.100.200/latest/meta-data", "cloud metadata"),  # Alibaba's
+        ("http://[fd00:ec2::254]/latest/meta-data", "cloud metadata"),  # AWS's IPv6
     ],
 )
 def test_forbidden_addresses(url: str, why: str) -> None:
@@ -365,3 +373,41 @@ def test_remote_fetch_with_limits(server: tuple[str, dict]) -> None:
     refused(f"http://{host}/missing.png", allow, rule="image.fetch")
     small = ImageLimits(allow_remote=True, max_bytes=len(data) - 1)
     refused(f"http://{host}/cat.png", small, rule="server.max_image_bytes")
+
+
+@pytest.mark.usefixtures("allow_loopback")
+@pytest.mark.parametrize("where", ["headers", "body"])
+def test_a_server_dribbling_its_answer_is_cut_at_the_deadline(where: str) -> None:
+    """Before: the timeout bounded one socket read, so a server sending a byte every second (headers or
+    body) held the fetch, and every image request queued behind it, for ever. Now the whole download
+    ends at `remote_timeout`."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 100000\r\n\r\n"
+            if where == "body":
+                conn.sendall(head)
+            for byte in (b"X-Slow: " if where == "headers" else b"") + b"x" * 100:
+                if stop.wait(0.3):
+                    return
+                try:
+                    conn.sendall(bytes([byte]) if isinstance(byte, int) else byte)
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    try:
+        err = refused(f"http://127.0.0.1:{listener.getsockname()[1]}/x.png",
+                      ImageLimits(allow_remote=True, remote_timeout=2), rule="image.fetch")
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+    assert "longer than 2 s" in str(err)
+    assert time.monotonic() - start < 5
