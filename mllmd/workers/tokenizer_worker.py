@@ -33,6 +33,7 @@ from mllmd.messages import (
     TokenizeRequest,
     TokenizeResult,
     TokenizerInbox,
+    TokenPrompt,
     TransportAck,
     decoder,
     encode,
@@ -64,6 +65,10 @@ def _template_kwargs(prompt: ChatPrompt, chat_template: str | None) -> dict[str,
     return kwargs
 
 
+class PromptsBusy(RuntimeError):
+    """Every slot for long prompts to encode off the loop is taken: a 503 (retry), not a client error."""
+
+
 def _meta(text: str) -> PromptMeta:
     return PromptMeta(starts_in_reasoning=text.rstrip().endswith("<think>"))
 
@@ -75,13 +80,31 @@ PREFIX_CHARS_PER_TOKEN = 8
 PREFIX_MIN_CHARS = 1 << 18
 # Tokens the end of a prefix may split differently from the whole text (a pre-token cut in two).
 PREFIX_BOUNDARY_TOKENS = 16
+# Texts longer than this are encoded off the worker's loop (TokenizeJobs' thread): about 50 ms here.
+LONG_TEXT_CHARS = 1 << 16
+
+
+@functools.lru_cache(maxsize=8)
+def _max_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for: its longest vocabulary entry (a byte-level entry has
+    a symbol per byte, and a character is at least one byte). Qwen's: 128 (a run of spaces or dashes)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
 
 
 def encode_within(tokenizer: Any, text: str, context_length: int | None, param: str) -> list[int]:
-    """tokenizer.encode(text), except that a text whose prefix alone has more tokens than the context
-    holds is refused from that prefix (InvalidSamplingParam naming `param`), as fit_max_tokens would
-    refuse the whole; encoding the 8 MB a request body may hold takes this worker about 10 s, time in
-    which every other request waits."""
+    """tokenizer.encode(text), except that a text with more tokens than the context holds is refused
+    (InvalidSamplingParam naming `param`), as fit_max_tokens would refuse the whole, without encoding it
+    all where that can be known sooner: a text longer than the context times the longest token cannot
+    fit and is refused unread, and one whose prefix alone has more tokens is refused from that prefix
+    (both only past PREFIX_MIN_CHARS: a shorter text is encoded whole, and its refusal names its exact
+    length). Encoding the 8 MB a request body may hold takes about 10 s (see LONG_TEXT_CHARS)."""
+    if (context_length is not None and len(text) > PREFIX_MIN_CHARS
+            and len(text) > context_length * _max_token_chars(tokenizer)):  # fmt: skip
+        raise InvalidSamplingParam(
+            f"the prompt has {len(text)} characters, more tokens than fit: the model's context length is "
+            f"{context_length} and a token stands for at most {_max_token_chars(tokenizer)} characters",
+            param,
+        )
     if context_length is not None and len(text) > max(context_length * PREFIX_CHARS_PER_TOKEN, PREFIX_MIN_CHARS):
         head = tokenizer.encode(text[: max(context_length * PREFIX_CHARS_PER_TOKEN, PREFIX_MIN_CHARS)],
                                 add_special_tokens=False)  # fmt: skip
@@ -94,19 +117,29 @@ def encode_within(tokenizer: Any, text: str, context_length: int | None, param: 
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None,
-             context_length: int | None = None) -> tuple[list[int], PromptMeta]:
-    """Token ids for a chat / completion / token-id prompt, plus facts the detokenizer needs.
-    `chat_template`: the administrator's template (None: the model's); `context_length`: a prompt far
-    over it is refused from a prefix (encode_within)."""
+def prompt_text(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None) -> tuple[str, PromptMeta] | None:
+    """The text a chat or completion prompt encodes, and facts the detokenizer needs; None for token ids."""
     prompt = req.prompt
     if isinstance(prompt, ChatPrompt):
         kwargs = _template_kwargs(prompt, chat_template)
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
-        return encode_within(tokenizer, text, context_length, req.prompt_param), _meta(text)
+        return text, _meta(text)
     if isinstance(prompt, TextPrompt):
-        return encode_within(tokenizer, prompt.text, context_length, req.prompt_param), PromptMeta()
-    return list(prompt.ids), PromptMeta()
+        return prompt.text, PromptMeta()
+    return None
+
+
+def tokenize(tokenizer: Any, req: TokenizeRequest, chat_template: str | None = None,
+             context_length: int | None = None) -> tuple[list[int], PromptMeta]:
+    """Token ids for a chat / completion / token-id prompt, plus facts the detokenizer needs.
+    `chat_template`: the administrator's template (None: the model's); `context_length`: a prompt far
+    over it is refused early (encode_within)."""
+    built = prompt_text(tokenizer, req, chat_template)
+    if built is None:
+        assert isinstance(req.prompt, TokenPrompt)
+        return list(req.prompt.ids), PromptMeta()
+    text, meta = built
+    return encode_within(tokenizer, text, context_length, req.prompt_param), meta
 
 
 def _with_images(built: VisionPrompt, vision: VisionPrompts) -> tuple[list[int], PromptMeta, Callable[[], list[ImageInput]]]:
@@ -164,8 +197,9 @@ class Grammars:
 
 @dataclasses.dataclass
 class Parked:
-    """A request waiting, off the worker's loop, for its images to be loaded ("images") or then for its
-    grammar to compile ("grammar", until `deadline`); `finish_parked` takes it on."""
+    """A request waiting, off the worker's loop, for its long text to be encoded ("prompt"), for its
+    images to be loaded ("images"), or then for its grammar to compile ("grammar", until `deadline`);
+    `finish_parked` takes it on."""
 
     req: TokenizeRequest
     waiting: concurrent.futures.Future[Any]
@@ -259,7 +293,7 @@ def run(wctx: WorkerContext) -> None:
                 if busy is not None:
                     wctx.send_main(busy)
                 continue
-            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars, parked)
+            handle(msg, tokenizer, vision, chat_template, context_length, wctx, to_sched, grammars, parked, jobs)
     finally:
         jobs.close()
         if vision is not None:
@@ -268,10 +302,10 @@ def run(wctx: WorkerContext) -> None:
 
 def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, chat_template: str | None,
            context_length: int, wctx: WorkerContext, to_sched: Any, grammars: Grammars | None = None,
-           parked: list[Parked] | None = None) -> None:
+           parked: list[Parked] | None = None, jobs: TokenizeJobs | None = None) -> None:
     """Tokenize one request and send its choices on, or tell main why it failed. With `parked`, a
     request whose images are still loading or whose grammar is still compiling waits there instead of
-    holding up the requests behind it."""
+    holding up the requests behind it; so does one whose text is long, encoded on `jobs`' thread."""
     logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
     try:
         send_images = None
@@ -284,6 +318,17 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
             ids, meta, send_images = _with_images(vision.build(tokenizer, req.prompt, kwargs), vision)
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
+        elif parked is not None and jobs is not None and (built := prompt_text(tokenizer, req, chat_template)):
+            text, meta = built
+            if len(text) <= LONG_TEXT_CHARS:
+                ids = encode_within(tokenizer, text, context_length, req.prompt_param)
+            else:
+                encoding = jobs.call_later(functools.partial(encode_within, text=text, context_length=context_length,
+                                                             param=req.prompt_param))  # fmt: skip
+                if encoding is None:
+                    raise PromptsBusy(f"{jobs.max_queued} long prompts are already being encoded; retry shortly")
+                parked.append(Parked(req, encoding, "prompt", meta=meta))
+                return
         else:
             ids, meta = tokenize(tokenizer, req, chat_template, context_length)
         _go_on(req, ids, meta, send_images, context_length, to_sched, grammars, parked)
@@ -317,6 +362,9 @@ def finish_parked(parked: list[Parked], grammars: Grammars, context_length: int,
     for p in [p for p in parked if p.waiting.done() or (p.deadline is not None and now >= p.deadline)]:
         parked.remove(p)
         try:
+            if p.stage == "prompt":
+                _go_on(p.req, p.waiting.result(), p.meta, None, context_length, to_sched, grammars, parked)
+                continue
             if p.stage == "images":
                 assert vision is not None and isinstance(p.req.prompt, ChatPrompt)
                 tokenizer = grammars.tokenizer  # the worker's
@@ -348,6 +396,8 @@ def _failure(req: TokenizeRequest, e: Exception) -> RequestFailed:
         return RequestFailed(req.group, "invalid_request", e.message, req.prompt_param)
     if isinstance(e, TransportFull):
         return RequestFailed(req.group, "unavailable", f"too many images in flight: {e}")
+    if isinstance(e, PromptsBusy):
+        return RequestFailed(req.group, "unavailable", str(e))
     # a template or tokenizer error is the request's fault
     return RequestFailed(req.group, "invalid_request", f"could not build the prompt: {e}")
 

@@ -123,10 +123,83 @@ def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(qwen3_tied: Path
             assert len(full) >= context and e.param == "prompt" and f"context length is {context}" in str(e)
         else:
             assert ids == full
-    with pytest.raises(InvalidSamplingParam, match="more than"):
+    with pytest.raises(InvalidSamplingParam, match="more than [0-9]+ tokens"):  # from a prefix
+        encode_within(tokenizer, "ab " * 100_000, 4096, "messages")
+    with pytest.raises(InvalidSamplingParam, match="300000 characters"):  # past 64 x 128 characters: unread
         encode_within(tokenizer, "ab " * 100_000, 64, "messages")
     monkeypatch.setattr(tw, "PREFIX_MIN_CHARS", 1 << 18)  # under the floor: encoded whole, so that the
     assert encode_within(tokenizer, text, len(full) // 2, "messages") == full  # refusal names its length
+
+
+def test_a_text_longer_than_the_context_of_longest_tokens_is_refused_unread(qwen3_tied: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: only a prefix was measured, assuming 8 characters a token; 8 MB of spaces (128 a token in
+    Qwen's vocabulary) passed and was encoded whole on the worker's loop (9 s; 46 s for four). A text
+    longer than the context times the longest token cannot fit, and is refused without encoding."""
+    from transformers import AutoTokenizer
+
+    import mllmd.workers.tokenizer_worker as tw
+    from mllmd.sampling_params import InvalidSamplingParam
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_tied)
+    assert tw._max_token_chars(tokenizer) == 128
+    monkeypatch.setattr(tw, "PREFIX_MIN_CHARS", 1000)
+    monkeypatch.setattr(tokenizer, "encode", lambda *a, **k: pytest.fail("encoded"))
+    with pytest.raises(InvalidSamplingParam, match="context length is 64") as e:
+        tw.encode_within(tokenizer, " " * (64 * 128 + 1), 64, "messages")
+    assert e.value.param == "messages"
+
+
+class _Jobs:
+    """TokenizeJobs' thread, held until the test releases each job (None: busy)."""
+
+    max_queued = 2
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.calls: list[tuple[Any, concurrent.futures.Future]] = []
+
+    def call_later(self, fn: Any) -> concurrent.futures.Future | None:
+        if len(self.calls) >= self.max_queued:
+            return None
+        self.calls.append((fn, concurrent.futures.Future()))
+        return self.calls[-1][1]
+
+    def run(self, i: int) -> None:
+        fn, f = self.calls[i]
+        try:
+            f.set_result(fn(self.tokenizer))
+        except Exception as e:
+            f.set_exception(e)
+
+
+def test_a_long_prompt_is_encoded_off_the_loop(parts) -> None:
+    """A text past LONG_TEXT_CHARS is encoded on the jobs' thread while the requests behind it go on; it
+    follows with encode's ids (or its refusal); past max_queued such prompts, a 503 (unavailable)."""
+    from mllmd.workers.tokenizer_worker import LONG_TEXT_CHARS
+
+    tokenizer, grammars, _, _ = parts
+    jobs = _Jobs(tokenizer)
+    wctx, sched, parked = _Wctx(), _Socket(), []
+    long_text = "lorem ipsum " + "-" * LONG_TEXT_CHARS  # about 520 tokens (128 dashes a token)
+
+    def request(group: str, text: str) -> TokenizeRequest:
+        return TokenizeRequest(group, [group + "-0"], TextPrompt(text), SamplingParams(max_tokens=4),
+                               OutputBudget(requested=4), prompt_param="prompt")
+
+    for group, text in (("long", long_text), ("short", "hello there"), ("over", " x" * (LONG_TEXT_CHARS * 2)),
+                        ("busy", long_text)):
+        handle(request(group, text), tokenizer, None, None, CONTEXT, wctx, sched, grammars, parked, jobs)  # type: ignore[arg-type]
+    assert [g.rid for g in sched.sent] == ["short-0"] and [p.stage for p in parked] == ["prompt", "prompt"]
+    [busy] = wctx.to_main
+    assert busy.rid == "busy" and busy.code == "unavailable"
+    jobs.run(1)
+    jobs.run(0)
+    finish_parked(parked, grammars, CONTEXT, wctx, sched)
+    assert [g.rid for g in sched.sent] == ["short-0", "long-0"] and not parked
+    assert sched.sent[1].input_ids == tokenizer.encode(long_text, add_special_tokens=False)
+    over = wctx.to_main[1]
+    assert over.rid == "over" and over.code == "invalid_request" and f"context length is {CONTEXT}" in over.message
 
 
 class _Vision:
