@@ -11,6 +11,7 @@ what any real client sends. Every violation is a 400 whose message names the fie
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +112,77 @@ def check_free_json(value: Any, p: str) -> Any:
         elif isinstance(v, list):
             stack.extend(v)
     return value
+
+
+# JSON schemas (response_format, tool parameters) become grammars that one background thread compiles
+# for every client; these bounds keep any one compilation to about a second on a 2-core machine.
+MAX_SCHEMA_NODES = 8_192  # JSON values in a request's schemas together (a 100,000-value enum: minutes)
+MAX_SCHEMA_PATTERN = 1_024  # characters of a "pattern" regex
+_COUNTED = re.compile(r"\{(\d*)(,?)(\d*)\}")
+
+
+def check_schemas(schemas: list[tuple[Any, str]]) -> None:
+    """Bound what compiling `schemas` ((schema, its param) pairs) can cost: MAX_SCHEMA_NODES values in
+    all, and every "pattern" short and free of a ranged repetition inside another one (xgrammar took
+    65 s for ^([a-z]{1,50}){1,50}$, 5 s for {1,16} in {1,16}; exact counts and * or + around a range
+    cost little)."""
+    nodes = 0
+    for schema, p in schemas:
+        stack = [schema]
+        while stack:
+            v = stack.pop()
+            nodes += 1
+            if nodes > MAX_SCHEMA_NODES:
+                raise bad_request(f"'{p}': the request's JSON schemas may hold at most {MAX_SCHEMA_NODES} "
+                                  "values in all (each key, item and value counts)", p)  # fmt: skip
+            if isinstance(v, dict):
+                pattern = v.get("pattern")
+                if isinstance(pattern, str):
+                    _check_pattern(pattern, p)
+                stack.extend(v.values())
+            elif isinstance(v, list):
+                stack.extend(v)
+
+
+def _check_pattern(pattern: str, p: str) -> None:
+    if len(pattern) > MAX_SCHEMA_PATTERN:
+        raise bad_request(f"'{p}' holds a pattern of {len(pattern)} characters (at most {MAX_SCHEMA_PATTERN})", p)
+    groups = [False]  # per open group: whether a ranged repetition ({m,n} with n > m, or {m,}) is inside
+    closed = False  # the atom before a quantifier is the group just closed (with its flag)
+    closed_ranged = False
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i, closed = i + 2, False
+            continue
+        if c == "[":  # a class: skip to its end ("]" first in it is literal)
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            j += pattern[j : j + 1] == "]"
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i, closed = j + 1, False
+            continue
+        if c == "(":
+            groups.append(False)
+            i, closed = i + 1, False
+            continue
+        if c == ")" and len(groups) > 1:
+            closed_ranged = groups.pop()
+            groups[-1] = groups[-1] or closed_ranged
+            i, closed = i + 1, True
+            continue
+        m = _COUNTED.match(pattern, i) if c == "{" else None
+        if m is not None:
+            low, comma, high = m.groups()
+            ranged = bool(comma) and (not high or int(high) > int(low or 0))
+            if ranged and closed and closed_ranged:
+                raise bad_request(f"'{p}' holds a pattern with a ranged repetition inside another one "
+                                  f"({pattern[:60]!r}): its grammar would take minutes to compile", p)  # fmt: skip
+            groups[-1] = groups[-1] or ranged
+            i, closed = m.end(), False
+            continue
+        i, closed = i + 1, False
 
 
 def check_count(v: list[Any] | dict[Any, Any], p: str, limit: int, what: str) -> None:

@@ -33,6 +33,7 @@ from mllmd.openai.limits import (
     Limits,
     check_count,
     check_free_json,
+    check_schemas,
     decode_json,  # noqa: F401 (re-exported: the API's JSON rules, used by the admin routes too)
 )
 from mllmd.sampling_params import MAX_TOP_LOGPROBS, OutputConstraint, SamplingParams, ToolSchema, output_limit
@@ -363,6 +364,7 @@ def _parse_tools(o: JsonFields) -> list[dict[str, Any]] | None:
     check_count(tools, o.param("tools"), MAX_TOOLS, "tools")
     out: list[dict[str, Any]] = []
     names: set[str] = set()
+    schemas: list[tuple[Any, str]] = []
     for i, raw in enumerate(tools):
         to = JsonFields(raw, o.param(f"tools[{i}]"))
         kind = to.get_str("type", required=True)
@@ -387,6 +389,9 @@ def _parse_tools(o: JsonFields) -> list[dict[str, Any]] | None:
         if fo.raw("strict") is not None:
             fn["strict"] = fo.get_bool("strict", False)
         out.append({"type": "function", "function": fn})
+        if params is not None:
+            schemas.append((fn["parameters"], params.path))
+    check_schemas(schemas)  # one grammar holds every tool's parameters
     return out
 
 
@@ -439,6 +444,7 @@ def _parse_response_format(o: JsonFields) -> dict[str, Any] | None:
     if not isinstance(schema, dict):
         raise js.err("schema", f"must be a JSON schema object (got {show(schema)})")
     check_free_json(schema, js.param("schema"))
+    check_schemas([(schema, js.param("schema"))])
     strict = js.raw("strict")
     if strict is not None and not isinstance(strict, bool):
         raise js.err("strict", f"must be a boolean (got {show(strict)})")

@@ -448,3 +448,48 @@ def test_bad_completion(body: Any, param: str | None) -> None:
 def test_bad_generate(body: Any, param: str | None) -> None:
     _expect_400(parse_generate_request, body, param)
 
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON schemas: bounded before one background thread compiles them for every client
+
+
+def _schema_request(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def _tools_request(parameters: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"messages": USER, "tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": p}}
+                                        for i, p in enumerate(parameters)]}
+
+
+@pytest.mark.parametrize("pattern", [
+    "^([a-z]{1,50}){1,50}$",  # 65 s in xgrammar 0.2.9
+    "^(([a-z]{1,5}){1,5}){1,5}$",  # 7 s
+    "^(?:x[a-z]{1,16}){2,}$",
+    "^[a-z]{2}" + "x" * 1100,  # too long
+])
+def test_costly_patterns_are_refused(pattern: str) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    _expect_400(parse_chat_request, _schema_request(schema), "response_format.json_schema.schema")
+    _expect_400(parse_chat_request, _tools_request([schema]), "tools[0].function.parameters")
+
+
+@pytest.mark.parametrize("pattern", [
+    r"^\d{3}-\d{4}$", r"^(\d{3}-){2}\d{4}$", "^([a-z]{1,50})*$", "^([a-z]{1,50})+@x$", "^[a-z]{1,100000}$",
+    r"^[{(]x{1,5}[)}]{2,3}$", r"^\({1,3}a{1,3}$", "^(ab){1,3}c{2,}$",
+])
+def test_ordinary_patterns_pass(pattern: str) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    assert parse_chat_request(_schema_request(schema)).response_format is not None
+
+
+def test_schema_size_is_bounded_over_all_tools() -> None:
+    from mllmd.openai.limits import MAX_SCHEMA_NODES
+
+    big_enum = {"type": "object", "properties": {"a": {"enum": list(range(MAX_SCHEMA_NODES))}}}
+    _expect_400(parse_chat_request, _schema_request(big_enum), "response_format.json_schema.schema")
+    half = {"type": "object", "properties": {"a": {"enum": list(range(MAX_SCHEMA_NODES // 2))}}}
+    assert parse_chat_request(_schema_request(half)).response_format is not None
+    assert parse_chat_request(_tools_request([half])).tools is not None
+    _expect_400(parse_chat_request, _tools_request([half, half]), "tools[1].function.parameters")
