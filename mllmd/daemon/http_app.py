@@ -23,6 +23,8 @@ from starlette.routing import Route
 
 from mllmd.daemon.access import RequestContext, request_info
 from mllmd.daemon.admin import admin_routes
+from mllmd.daemon.browser_guard import BrowserGuard
+from mllmd.daemon.config import is_loopback_host
 from mllmd.daemon.cors import CORS
 from mllmd.daemon.http_common import any_bearer_matches, error_response, is_admin, parse_body, read_body
 from mllmd.daemon.ratelimit import RateLimitedLog
@@ -484,5 +486,8 @@ def build_app(daemon: Daemon) -> Starlette:
                                        "type": "invalid_request_error", "param": None, "code": None}}, status_code=405)
 
     # outermost first: every response (a CORS preflight too) carries the request id and is logged
-    middleware = [Middleware(RequestContext), Middleware(CORS, origins=daemon.config.server.cors_allow_origins)]
+    srv = daemon.config.server
+    middleware = [Middleware(RequestContext), Middleware(CORS, origins=srv.cors_allow_origins),
+                  Middleware(BrowserGuard, origins=srv.cors_allow_origins, hosts=srv.allowed_hosts,
+                             loopback_only=is_loopback_host(srv.host))]  # fmt: skip
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: bad_method}, middleware=middleware)

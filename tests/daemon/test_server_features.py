@@ -185,6 +185,29 @@ def test_cors_preflight_and_headers(d: Any) -> None:
     assert r.status_code == 200 and not any(k.startswith("access-control-") for k in r.headers)
 
 
+def test_a_web_page_of_another_origin_or_host_is_refused(d: Any) -> None:
+    """CSRF: a page's "simple" POST (text/plain, no preflight) from an origin that is not listed was
+    served, the generation run though the page cannot read it; DNS rebinding: a page whose name points
+    at 127.0.0.1 sends its own name as Host and reads the answers. Both are 403s now, before the key is
+    looked at; the listed origin, loopback Hosts and the Unix socket are served."""
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    plain = {"Content-Type": "text/plain", **d.headers()}
+    r = httpx.post(d.base_url + CHAT, content=body, headers={**plain, "Origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", r.text
+    assert "server.cors_allow_origins" in r.json()["error"]["message"]
+    r = httpx.post(d.base_url + CHAT, content=body, headers={**plain, "Origin": ORIGIN}, timeout=30)
+    assert r.status_code == 200, r.text
+    for host in ("evil.example", f"evil.example:{d.port}", "192.168.1.7", "127.0.0.1.nip.io"):
+        r = httpx.get(d.base_url + "/v1/models", headers={**d.headers(), "Host": host}, timeout=10)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", (host, r.text)
+    for host in (f"localhost:{d.port}", "127.0.0.1", f"[::1]:{d.port}", "app.localhost"):
+        r = httpx.get(d.base_url + "/v1/models", headers={**d.headers(), "Host": host}, timeout=10)
+        assert r.status_code == 200, (host, r.text)
+    with d.uds_http() as unix:
+        r = unix.get("http://evil.example/v1/models", headers=d.headers())
+        assert r.status_code == 200, r.text
+
+
 # ---- 8: aliases; 9: the max_tokens cap --------------------------------------------------------
 def test_aliases_are_listed_and_served(d: Any) -> None:
     import openai
