@@ -39,7 +39,7 @@ class AdminApi:
 
     async def _body(self, request: Request) -> dict[str, Any]:
         srv = self.d.config.server
-        raw = await read_body(request, srv.max_request_bytes, srv.body_timeout)
+        raw = await read_body(request, srv.max_request_bytes, srv.body_timeout, self.d.bodies)
         if not raw.strip():
             return {}
         body = decode_json(raw, self.d.limits)  # the API's rules: UTF-8, no NaN / Infinity, bounded nesting

@@ -104,7 +104,7 @@ class Api:
 
     async def _parse(self, request: Request, parse: Callable[[Any, Limits], Any]) -> Any:
         srv = self.d.config.server
-        body = await read_body(request, srv.max_request_bytes, srv.body_timeout)
+        body = await read_body(request, srv.max_request_bytes, srv.body_timeout, self.d.bodies)
         return await parse_body(body, self.d.limits, parse)
 
     async def _respond(self, request: Request, states: list[Any], stream: AsyncIterator[bytes] | None,
@@ -293,7 +293,7 @@ class Api:
         if not admin:
             self._auth(request)
         srv = self.d.config.server
-        body = await parse_body(await read_body(request, srv.max_request_bytes, srv.body_timeout), self.d.limits)
+        body = await parse_body(await read_body(request, srv.max_request_bytes, srv.body_timeout, self.d.bodies), self.d.limits)
         rid = body.get("rid") if isinstance(body, dict) else None
         if not isinstance(rid, str) or not rid or len(rid) > protocol.MAX_RID_LEN:
             raise bad_request(f"'rid' must be a request id (a string of 1 to {protocol.MAX_RID_LEN} characters)",

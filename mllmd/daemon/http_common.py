@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from mllmd.openai.errors import APIError, payload_too_large
+from mllmd.openai.errors import APIError, payload_too_large, service_unavailable
 from mllmd.openai.limits import DEFAULT_LIMITS, Limits, decode_json
 
 OFFLOAD_BYTES = 256 * 1024  # larger bodies are decoded and validated off the event loop
@@ -49,15 +49,43 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.to_dict(), status_code=e.status, headers=headers)
 
 
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The request body: at most `limit` bytes (413), all of it within `timeout` seconds (408)."""
+BODIES_IN_FLIGHT = 8  # request bodies of the largest size the main process holds while they arrive
+
+
+class BodyBudget:
+    """Bytes of request bodies still arriving, over all connections: at most BODIES_IN_FLIGHT x
+    server.max_request_bytes (64 MiB by default), so that clients holding bodies open cannot grow the
+    main process (1,000 connections x 8 MB, each a byte short, would be 8 GB); past it a 503."""
+
+    def __init__(self, max_request_bytes: int) -> None:
+        self.limit = BODIES_IN_FLIGHT * max_request_bytes
+        self.used = 0
+
+    def take(self, n: int) -> None:
+        if self.used + n > self.limit:
+            raise service_unavailable(f"too many large request bodies are arriving at once (more than "
+                                      f"{self.limit} bytes); retry shortly", retry_after=1)  # fmt: skip
+        self.used += n
+
+    def give(self, n: int) -> None:
+        self.used -= n
+
+
+async def read_body(request: Request, limit: int, timeout: float, budget: BodyBudget | None = None) -> bytes:
+    """The request body: at most `limit` bytes (413), all of it within `timeout` seconds (408), while
+    the bodies arriving together stay within `budget` (503)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise payload_too_large(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    held = 0
 
     async def collect() -> bytes:
+        nonlocal held
         body = bytearray()
         async for chunk in request.stream():
+            if budget is not None:
+                budget.take(len(chunk))
+                held += len(chunk)
             body += chunk
             if len(body) > limit:
                 raise payload_too_large(f"request body exceeds the limit of {limit} bytes")
@@ -68,6 +96,9 @@ async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s (server.body_timeout)",
                        "invalid_request_error", None, "request_timeout") from None
+    finally:
+        if budget is not None:
+            budget.give(held)
 
 
 async def parse_body(body: bytes, limits: Limits, parse: Callable[[Any, Limits], Any] | None = None) -> Any:

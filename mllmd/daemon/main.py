@@ -26,6 +26,7 @@ import zmq.asyncio
 from mllmd import __version__, knobs, logfmt
 from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
+from mllmd.daemon.http_common import BodyBudget
 from mllmd.daemon.http_server import ConnectionGuard, connection_caps, protocol_class, raise_nofile_limit
 from mllmd.daemon.metrics import Metrics
 from mllmd.daemon.model_slot import ModelSlot
@@ -160,6 +161,7 @@ class Daemon:
         self.zctx = zmq.asyncio.Context()
         self.notifier = Notifier()
         self.metrics = Metrics(workers=ipc.WORKERS)
+        self.bodies = BodyBudget(config.server.max_request_bytes)  # request bodies arriving, in all
         self.telemetry = TelemetryCollector(config.telemetry, on_snapshot=self.metrics.set_telemetry)
         self.active: ModelSlot | None = None
         self.pending: ModelSlot | None = None

@@ -225,6 +225,18 @@ def test_decode_json():
         assert info.value.status == 400
 
 
+def test_decode_json_bounds_the_objects_of_a_body():
+    """An 8 MB body of `[{},{},...]` decoded to about 400 MB of Python objects before any field was
+    checked; more than MAX_JSON_CONTAINERS '{' and '[' are refused unread."""
+    from mllmd.openai.limits import MAX_JSON_CONTAINERS
+
+    many = b"[" + b"{}," * MAX_JSON_CONTAINERS + b"{}]"
+    with pytest.raises(APIError) as info:
+        decode_json(many)
+    assert info.value.status == 400 and str(MAX_JSON_CONTAINERS) in info.value.message
+    assert len(decode_json(b"[" + b"{}," * (MAX_JSON_CONTAINERS - 2) + b"{}]")) == MAX_JSON_CONTAINERS - 1
+
+
 def test_decode_json_takes_utf8_only():
     """RFC 8259 8.1: UTF-8 (a BOM is tolerated); UTF-16/32, which json.loads would sniff, are a 400."""
     assert decode_json('{"text": "héllo ☃"}'.encode()) == {"text": "héllo ☃"}

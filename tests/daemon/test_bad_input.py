@@ -246,6 +246,40 @@ def test_unknown_model_is_404(h: Any) -> None:
             assert err["code"] == "model_not_found" and "gpt-4o" in err["message"]
 
 
+def test_bodies_held_open_are_bounded_in_all(d: Any, h: Any) -> None:
+    """Before: 100 connections each holding an 8 MB body a byte short grew the main process by 800 MB
+    for body_timeout (1,000 connections: 8 GB). Now the bodies arriving at once hold at most 8 times
+    server.max_request_bytes; past that a 503, and once they are gone requests are served again."""
+    import socket
+    import time
+
+    from mllmd.daemon.http_common import BODIES_IN_FLIGHT
+
+    size = LIMIT - 10
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {size}\r\n\r\n").encode()
+    held = []
+    try:
+        for _ in range(BODIES_IN_FLIGHT):
+            s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
+            s.sendall(head + b" " * (size - 1))  # a byte short: the body stays open
+            held.append(s)
+        deadline = time.monotonic() + 20
+        while True:  # until the server has read the held bodies (it reads them as they come)
+            r = h.post(CHAT, content=b" " * size, headers={"Content-Type": "application/json"})
+            if r.status_code == 503 or time.monotonic() > deadline:
+                break
+        err = assert_openai_error(r, 503)
+        assert "bodies" in err["message"] and "retry-after" in r.headers
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 20
+    while (r := h.post(CHAT, json={"messages": MSG, "max_tokens": 1})).status_code == 503 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert r.status_code == 200, r.text
+
+
 def test_oversized_body_is_413(h: Any) -> None:
     big = {"messages": [{"role": "user", "content": "x" * (LIMIT + 10)}]}
     for path in (CHAT, COMPL, GEN):
