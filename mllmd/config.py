@@ -57,7 +57,8 @@ class EngineConfig:
     max_decode_stall_ms: float = _f(
         "scheduler", 0.0,
         "while requests decode, cap a step's prefill tokens so that the step is expected to end within this "
-        "many ms (its cost per token learned from the steps run so far); a new prompt then takes more, "
+        "many ms (its cost per token learned from the steps run so far; where steps replay CUDA graphs, the "
+        "cap is a graph's token count, padding included); a new prompt then takes more, "
         "shorter chunks, at least 32 tokens each (needs chunked_prefill_size > 0); 0: off (chunked_prefill_size "
         "alone bounds a chunk)",
     )

@@ -84,7 +84,12 @@ class Engine:
             decode_stall_tokens=self._decode_stall_tokens if config.max_decode_stall_ms > 0 else None,
         )
         # scheduler.max_decode_stall_ms: what steps cost per token, from the steps' own times
-        self.step_cost = StepCostModel() if config.max_decode_stall_ms > 0 else None
+        graphs = self.runner.prefill_graphs
+        self.step_cost = (
+            StepCostModel(buckets=graphs.token_sizes if graphs is not None else ())
+            if config.max_decode_stall_ms > 0
+            else None
+        )
         self._step_timers: list[StepTimer] = []  # steps timed since the last launched sampling
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
         ov = config.overlap_schedule

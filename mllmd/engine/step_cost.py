@@ -9,11 +9,18 @@ CUDA graphs at another cost per token, and are not the steps the cap bounds). Co
 fixed cost into the per-token figure over-states it, so the cap errs on the short side. The time is
 the device's (CUDA events around the step's input staging and forward, read once the step's tokens
 are in: no extra synchronisation) or, on the CPU, the host's wall time.
+
+Where prefill and mixed steps replay CUDA graphs, a step computes its token bucket (prefill_graph's
+16, 32, 64, 96, 128, 192, 256, 384, ...), padding included: a step is counted at its bucket's tokens,
+and the cap is rounded down to a bucket, so that a capped step pads nothing (a cap of 300 tokens
+would otherwise run the 384-token graph, 28% of its work padding, and end later than the budget).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +31,10 @@ SMOOTHING = 0.25  # weight of the newest step in the average
 
 
 class StepCostModel:
-    def __init__(self, smoothing: float = SMOOTHING) -> None:
+    def __init__(self, smoothing: float = SMOOTHING, buckets: Sequence[int] = ()) -> None:
+        """`buckets`: the token counts of the prefill graphs, ascending (none where steps run eagerly)."""
         self.smoothing = smoothing
+        self.buckets = list(buckets)
         self.seconds_per_token: float | None = None  # None until a step large enough was measured
 
     def observe(self, tokens: int, seconds: float) -> None:
@@ -37,12 +46,16 @@ class StepCostModel:
         self.seconds_per_token = per if old is None else old + self.smoothing * (per - old)
 
     def tokens_within(self, budget_s: float) -> int | None:
-        """The most tokens a step may compute to end within `budget_s` (at least MIN_CAPPED_TOKENS);
-        None while nothing has been measured (no cap yet)."""
+        """The most tokens a step may compute to end within `budget_s` (at least MIN_CAPPED_TOKENS),
+        rounded down to a graph bucket where one fits; None while nothing has been measured (no cap yet)."""
         per = self.seconds_per_token
         if per is None:
             return None
-        return max(MIN_CAPPED_TOKENS, int(budget_s / per))
+        cap = int(budget_s / per)
+        if self.buckets and cap <= self.buckets[-1]:  # past the last bucket steps run eagerly: no padding
+            i = bisect.bisect_right(self.buckets, cap)
+            cap = self.buckets[i - 1] if i else cap
+        return max(MIN_CAPPED_TOKENS, cap)
 
 
 @dataclass

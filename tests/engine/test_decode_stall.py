@@ -20,14 +20,20 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(100, 5000) for _ in range(n)]
 
 
-def capped_engine(model: Path, per_token_s: float | None) -> tuple[LLM, list[tuple[str, int]]]:
-    """An engine with a 5 ms stall budget whose cost model is frozen at `per_token_s`; returns it and a
-    log of each scheduled (request, tokens) row."""
+def capped_engine(
+    model: Path, per_token_s: float | None, buckets: list[int] | None = None
+) -> tuple[LLM, list[tuple[str, int]]]:
+    """An engine with a 5 ms stall budget whose cost model is frozen at `per_token_s` (with the prefill
+    graphs' token `buckets` of a GPU, where given); returns it and a log of each scheduled (request,
+    tokens) row."""
     llm = LLM(str(model), dtype="float32", device="cpu", max_total_tokens=4096, chunked_prefill_size=512,
               max_decode_stall_ms=5.0)
     cost = llm.engine.step_cost
     assert cost is not None
+    assert cost.buckets == []  # on the CPU steps run eagerly: nothing to round to
     cost.seconds_per_token = per_token_s
+    if buckets is not None:
+        cost.buckets = buckets
     cost.observe = lambda tokens, seconds: None  # type: ignore[method-assign]  # frozen: the test sets it
     rows: list[tuple[str, int]] = []
     real = llm.engine.scheduler.schedule
@@ -69,6 +75,17 @@ def test_a_prompt_arriving_while_others_decode_comes_in_capped_chunks(qwen3_tied
     assert got["a"] == plain.generate([prompts["a"]], GREEDY)[0].token_ids
 
 
+def test_the_cap_rounds_down_to_a_graph_bucket(qwen3_tied: Path) -> None:
+    """Where mixed steps replay graphs of 96 and 128 tokens, a 100-token cap would run the 128-token
+    graph, past the budget: the step takes 96 tokens instead, and pads nothing."""
+    prompts = {"a": ids(30, 1), "b": ids(300, 2)}
+    llm, rows = capped_engine(qwen3_tied, 0.05e-3, buckets=[16, 32, 64, 96, 128, 192, 256, 384, 512])
+    got = run(llm, prompts)
+    assert [n for rid, n in rows if rid == "b" and n > 1] == [95, 95, 95, 15]
+    plain = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096)
+    assert got["b"] == plain.generate([prompts["b"]], GREEDY)[0].token_ids
+
+
 def test_the_cap_leaves_prefill_work_at_least_its_floor(qwen3_tied: Path) -> None:
     llm, rows = capped_engine(qwen3_tied, 1.0)  # a second a token: the budget allows none
     run(llm, {"a": ids(30, 1), "b": ids(100, 2)})
@@ -102,6 +119,24 @@ def test_cost_model_average_and_floor() -> None:
     assert m.seconds_per_token == pytest.approx(2e-4)  # halfway to 3e-4
     assert m.tokens_within(0.005) == MIN_CAPPED_TOKENS  # 25 tokens fit in 5 ms; the floor is 32
     assert m.tokens_within(1.0) == 5000
+
+
+def test_cost_model_rounds_the_cap_down_to_a_bucket() -> None:
+    m = StepCostModel(buckets=[16, 32, 64, 96, 128, 192, 256, 384, 512])
+    m.seconds_per_token = 1e-5
+    assert m.tokens_within(0.0030) == 256  # 300 tokens fit: the 384-token graph would not
+    assert m.tokens_within(0.0019) == 128  # 190
+    assert m.tokens_within(0.0060) == 600  # past the last bucket: an eager step, no padding
+    m.seconds_per_token = 2.0**-16  # exact in binary: 512 tokens fit exactly
+    assert m.tokens_within(512 * 2.0**-16) == 512
+    assert m.tokens_within(20 * 2.0**-16) == MIN_CAPPED_TOKENS  # 20 tokens: bucket 16, then the floor
+
+
+def test_a_graph_step_counts_its_bucket_tokens() -> None:
+    """The engine counts a step that replayed a graph at its bucket's tokens (padding is work too)."""
+    m = StepCostModel(smoothing=1.0)
+    m.observe(128, 0.0064)  # a 100-token step that ran the 128-token graph
+    assert m.seconds_per_token == pytest.approx(5e-5)
 
 
 def test_cpu_step_timer_measures_the_wall_time() -> None:
