@@ -205,6 +205,8 @@ class FirstTokenTimes(msgspec.Struct, frozen=True, array_like=True):
 
 
 class AbortRequest(_Message, frozen=True):
+    """main -> scheduler: stop choice `rid`; main -> tokenizer: drop the parked work of group `rid`."""
+
     rid: str
 
 
@@ -386,7 +388,7 @@ class TransportAck(_Message, frozen=True):
 # ---- what each socket receives ---------------------------------------------------------------------
 MainInbox = (Heartbeat | WorkerReady | WorkerFatal | RequestFailed | EngineStats | ControlResult | TextOutputs
              | TokenizeResult)
-TokenizerInbox = TokenizeRequest | TransportAck | TokenizeOnly
+TokenizerInbox = TokenizeRequest | TransportAck | TokenizeOnly | AbortRequest
 SchedulerInbox = GenerateRequest | AbortRequest | FlushCache
 DetokenizerInbox = RegisterRequest | TokenOutputs | ResetRequests
 

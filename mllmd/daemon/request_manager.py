@@ -138,10 +138,17 @@ class RequestManager:
         return state
 
     async def abort(self, rid: str) -> None:
-        """The handler of `rid` gives it up (client gone, error): forget it, stop it in the engine."""
+        """The handler of `rid` gives it up (client gone, error): forget it, stop it in the engine, and
+        once its whole group is gone, in the tokenizer worker (images still loading, a long prompt
+        still encoding: work nobody waits for)."""
         state = self._drop(rid)
         if state is not None:
             await self.send_abort(rid)
+            if state.group not in self.groups:
+                try:
+                    await self.to_tokenizer.send(encode(AbortRequest(state.group)), flags=zmq.NOBLOCK)
+                except zmq.ZMQError:  # a full queue: the worker does that work in vain, nothing worse
+                    pass
 
     async def abort_by_admin(self, rid: str) -> list[str]:
         """Abort a request (a choice id, a group id for all its choices, or the client's own /generate

@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from mllmd.messages import (
+    AbortRequest,
     ChatPrompt,
     GenerateRequest,
     ImageInput,
@@ -65,8 +66,9 @@ def _template_kwargs(prompt: ChatPrompt, chat_template: str | None) -> dict[str,
     return kwargs
 
 
-class PromptsBusy(RuntimeError):
-    """Every slot for long prompts to encode off the loop is taken: a 503 (retry), not a client error."""
+class WorkerBusy(RuntimeError):
+    """Every slot for work off the loop (long prompts to encode, images to load) is taken: a 503
+    (retry), not a client error."""
 
 
 def _meta(text: str) -> PromptMeta:
@@ -277,7 +279,7 @@ def run(wctx: WorkerContext) -> None:
                 continue
             data = inbox.recv()
             try:
-                msg: TokenizeRequest | TransportAck | TokenizeOnly = decode(data)
+                msg: TokenizeRequest | TransportAck | TokenizeOnly | AbortRequest = decode(data)
             except Exception as e:  # main's bug, not a reason to drop every request: fail this one
                 logger.error("cannot decode a request: %s", e)
                 group = request_id_of(data)
@@ -287,6 +289,9 @@ def run(wctx: WorkerContext) -> None:
             if isinstance(msg, TransportAck):
                 if vision is not None:
                     vision.on_ack(msg)
+                continue
+            if isinstance(msg, AbortRequest):  # its client left: drop its parked work
+                drop_parked(parked, msg.rid)
                 continue
             if isinstance(msg, TokenizeOnly):
                 busy = jobs.submit(msg)
@@ -312,7 +317,10 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
         if vision is not None and vision.wants(req.prompt):
             assert isinstance(req.prompt, ChatPrompt)
             if parked is not None:
-                parked.append(Parked(req, vision.load_later(req.prompt)))
+                loading = vision.load_later(req.prompt)
+                if loading is None:
+                    raise WorkerBusy(f"{vision.max_queued} image requests are already being loaded; retry shortly")
+                parked.append(Parked(req, loading))
                 return
             kwargs = _template_kwargs(req.prompt, chat_template)
             ids, meta, send_images = _with_images(vision.build(tokenizer, req.prompt, kwargs), vision)
@@ -326,7 +334,7 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
                 encoding = jobs.call_later(functools.partial(encode_within, text=text, context_length=context_length,
                                                              param=req.prompt_param))  # fmt: skip
                 if encoding is None:
-                    raise PromptsBusy(f"{jobs.max_queued} long prompts are already being encoded; retry shortly")
+                    raise WorkerBusy(f"{jobs.max_queued} long prompts are already being encoded; retry shortly")
                 parked.append(Parked(req, encoding, "prompt", meta=meta))
                 return
         else:
@@ -383,6 +391,14 @@ def finish_parked(parked: list[Parked], grammars: Grammars, context_length: int,
             wctx.send_main(_failure(p.req, e))
 
 
+def drop_parked(parked: list[Parked], group: str) -> None:
+    """Forget the parked work of request `group` (main gave it up): a load, an encode or a compilation
+    that has not started is cancelled; one running ends unheeded."""
+    for p in [p for p in parked if p.req.group == group]:
+        parked.remove(p)
+        p.waiting.cancel()
+
+
 def _wait(compiling: concurrent.futures.Future[Any], compiler: GrammarCompiler, c: OutputConstraint) -> None:
     concurrent.futures.wait([compiling], timeout=compiler.timeout_s)
     compiler.finish(compiling, c)
@@ -396,7 +412,7 @@ def _failure(req: TokenizeRequest, e: Exception) -> RequestFailed:
         return RequestFailed(req.group, "invalid_request", e.message, req.prompt_param)
     if isinstance(e, TransportFull):
         return RequestFailed(req.group, "unavailable", f"too many images in flight: {e}")
-    if isinstance(e, PromptsBusy):
+    if isinstance(e, WorkerBusy):
         return RequestFailed(req.group, "unavailable", str(e))
     # a template or tokenizer error is the request's fault
     return RequestFailed(req.group, "invalid_request", f"could not build the prompt: {e}")

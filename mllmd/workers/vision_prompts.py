@@ -35,6 +35,8 @@ from mllmd.multimodal.transport_probe import probe_cuda_ipc, resolve_mode
 
 logger = logging.getLogger("tokenizer")
 
+MAX_QUEUED_IMAGE_REQUESTS = 16  # requests whose images wait for or are on the image thread; more: 503
+
 
 def takes_images(model_path: str) -> bool:
     """Whether the model folder's config has a vision tower (Qwen3-VL, Qwen3.5)."""
@@ -67,6 +69,8 @@ class VisionPrompts:
     limits: ImageLimits
     sender: TensorSender
     _images: concurrent.futures.ThreadPoolExecutor | None = field(default=None, repr=False)
+    _loading: list[concurrent.futures.Future[Any]] = field(default_factory=list, repr=False)
+    max_queued: int = MAX_QUEUED_IMAGE_REQUESTS
 
     @classmethod
     def start(cls, model_path: str, server: dict[str, Any], ipc: dict[str, Any], device: str) -> VisionPrompts:
@@ -99,13 +103,18 @@ class VisionPrompts:
         return build_vision_prompt(tokenizer, prompt.messages, template_kwargs, self.preprocess, self.tokens,
                                    self.limits)
 
-    def load_later(self, prompt: ChatPrompt) -> concurrent.futures.Future[list[ProcessedImage]]:
+    def load_later(self, prompt: ChatPrompt) -> concurrent.futures.Future[list[ProcessedImage]] | None:
         """The prompt's images loaded and resized on the image thread (ImageError from the future): up
         to about a second an image (a 7000x7000 PNG on a 2-core machine), time in which the worker's
-        loop serves other requests. No tokenizer is touched there."""
+        loop serves other requests. No tokenizer is touched there. None when `max_queued` requests'
+        images are waiting or loading already (each holds its request's decoded pictures)."""
+        self._loading = [f for f in self._loading if not f.done()]
+        if len(self._loading) >= self.max_queued:
+            return None
         if self._images is None:
             self._images = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="images")
-        return self._images.submit(load_images, prompt.messages, self.preprocess, self.limits)
+        self._loading.append(self._images.submit(load_images, prompt.messages, self.preprocess, self.limits))
+        return self._loading[-1]
 
     def prompt(self, tokenizer: Any, prompt: ChatPrompt, template_kwargs: dict[str, Any],
                images: list[ProcessedImage], encode: Callable[[str], list[int]] | None = None) -> VisionPrompt:

@@ -249,3 +249,58 @@ def test_a_request_whose_images_are_loading_does_not_hold_up_the_next(parts) -> 
     [failed] = wctx.to_main
     assert failed.rid == "bomb" and "max_image_pixels" in failed.message and failed.param == "messages"
     assert not parked
+
+
+def test_work_of_a_request_whose_client_left_is_dropped(parts) -> None:
+    """Before: main never told the tokenizer worker, so 40 image requests abandoned after 0.3 s kept the
+    image thread busy for minutes (a later image request waited 180 s) and the worker's memory grew.
+    Now main's AbortRequest(group) drops the group's parked work, cancelling what had not started."""
+    from mllmd.messages import ChatPrompt
+    from mllmd.workers.tokenizer_worker import drop_parked
+
+    tokenizer, grammars, _, _ = parts
+    vision, wctx, sched, parked = _Vision(), _Wctx(), _Socket(), []
+    image_msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    for group in ("gone", "kept"):
+        handle(TokenizeRequest(group, [group + "-0"], ChatPrompt(image_msgs), SamplingParams(max_tokens=4),
+                               OutputBudget(requested=4)), tokenizer, vision, None, CONTEXT, wctx, sched, grammars,
+               parked)  # type: ignore[arg-type]
+    drop_parked(parked, "gone")
+    assert [p.req.group for p in parked] == ["kept"] and vision.gates[0].cancelled()
+    drop_parked(parked, "unknown")  # a request already sent on: nothing here
+    vision.gates[1].set_result([])
+    finish_parked(parked, grammars, CONTEXT, wctx, sched, vision)  # type: ignore[arg-type]
+    assert [g.rid for g in sched.sent] == ["kept-0"] and not wctx.to_main
+
+
+def test_the_image_thread_queue_is_bounded(parts, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most max_queued requests' images wait for the image thread; more are a 503 (unavailable)."""
+    import threading
+
+    import mllmd.workers.vision_prompts as vp
+    from mllmd.messages import ChatPrompt
+    from mllmd.multimodal.image_io import ImageLimits
+
+    tokenizer, grammars, _, _ = parts
+    release = threading.Event()
+    vision = vp.VisionPrompts(None, None, ImageLimits(), None, max_queued=2)  # type: ignore[arg-type]
+
+    def held(*args: Any) -> list:
+        release.wait(10)
+        return []
+
+    monkeypatch.setattr(vp, "load_images", held)
+    try:
+        wctx, sched, parked = _Wctx(), _Socket(), []
+        image_msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+        for group in ("a", "b", "c"):
+            handle(TokenizeRequest(group, [group + "-0"], ChatPrompt(image_msgs), SamplingParams(max_tokens=4),
+                                   OutputBudget(requested=4)), tokenizer, vision, None, CONTEXT, wctx, sched,
+                   grammars, parked)
+        assert [p.req.group for p in parked] == ["a", "b"]
+        [busy] = wctx.to_main
+        assert busy.rid == "c" and busy.code == "unavailable" and "retry" in busy.message
+    finally:
+        release.set()
+        if vision._images is not None:
+            vision._images.shutdown(wait=True)

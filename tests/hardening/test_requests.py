@@ -143,6 +143,54 @@ def test_an_exception_after_registration_releases_the_request(tmp_path: Path) ->
     asyncio.run(main())
 
 
+def test_a_request_given_up_is_dropped_by_the_tokenizer_worker_too(tmp_path: Path) -> None:
+    """Once every choice of a request is given up (its client left), main tells the tokenizer worker,
+    which drops what it still holds for it (images loading, a long prompt encoding); before, only the
+    scheduler heard, and abandoned image requests kept the image thread busy for minutes."""
+    import zmq.asyncio
+
+    from mllmd.daemon.request_manager import RequestManager
+    from mllmd.messages import (
+        AbortRequest,
+        OutputBudget,
+        SchedulerInbox,
+        TextPrompt,
+        TokenizeRequest,
+        TokenizerInbox,
+        decoder,
+    )
+    from mllmd.sampling_params import SamplingParams
+
+    class Recorder:
+        def __init__(self, inbox: Any) -> None:
+            self.sent: list[Any] = []
+            self.decode = decoder(inbox).decode
+
+        async def send(self, data: bytes, flags: int = 0) -> None:
+            self.sent.append(self.decode(data))
+
+        def close(self, linger: int = 0) -> None:
+            pass
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        rm = RequestManager(ctx, str(tmp_path))
+        for sock in (rm.to_tokenizer, rm.to_scheduler):
+            sock.close(linger=0)
+        rm.to_tokenizer, rm.to_scheduler = Recorder(TokenizerInbox), Recorder(SchedulerInbox)  # type: ignore[assignment]
+        states = await rm.submit(TextPrompt("hi"), SamplingParams(max_tokens=1), OutputBudget(1), 2, "prompt")
+        group = states[0].group
+        await rm.abort(states[0].rid)
+        assert [type(m) for m in rm.to_tokenizer.sent] == [TokenizeRequest]  # one choice is still wanted
+        await rm.abort(states[1].rid)
+        assert rm.to_tokenizer.sent[-1] == AbortRequest(group)
+        assert [m.rid for m in rm.to_scheduler.sent] == [states[0].rid, states[1].rid]
+        rm.close()
+        ctx.destroy(linger=0)
+
+    asyncio.run(main())
+
+
 # ---- item 2: templates come from the model --------------------------------------------------------
 PINNING_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
 
