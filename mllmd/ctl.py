@@ -185,8 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", help="mllmd configuration file (to find the socket)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
     sub = ap.add_subparsers(dest="command", required=True)
-    for name in ("status", "models", "requests"):
-        p = sub.add_parser(name)
+    for name, what in (("status", "state, model, requests, KV cache, memory and workers"),
+                       ("models", "the model folders under model.models_dir, and which is loaded"),
+                       ("requests", "the requests in flight: id, model, age (and the client's own id)")):
+        p = sub.add_parser(name, help=what)
         p.add_argument("--json", action="store_true", help="print the raw JSON")
     p = sub.add_parser("abort", help="abort a request in flight (an id from `mllmctl requests`, or its group)")
     p.add_argument("id")
@@ -194,8 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     p.add_argument("--wait", action="store_true", help="wait until loaded, with a progress bar")
     p.add_argument("--wait-timeout", type=float, default=3600.0)
-    for name in ("unload-model", "drain", "flush-cache", "reload"):
-        sub.add_parser(name)
+    for name, what in (("unload-model", "unload the model (requests get 503 until a load-model)"),
+                       ("drain", "refuse new requests and let those in flight finish (a load-model ends it)"),
+                       ("flush-cache", "empty the prefix cache"),
+                       ("reload", "re-read the configuration file (the settings that apply without a restart)")):
+        sub.add_parser(name, help=what)
     return ap
 
 

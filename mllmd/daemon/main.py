@@ -457,11 +457,18 @@ class Daemon:
     def _on_worker_lost(self, slot: ModelSlot, name: str, reason: str) -> None:
         if slot is self.pending:
             return  # handled by the load watcher
-        rids = list(slot.rm.reqs)
+        giving_up = slot.supervisor.degraded_worker == name
+        message = f"request failed: {reason}; " + ("the server gave up restarting it" if giving_up else
+                                                    "the worker is being restarted")  # fmt: skip
+        if name == ipc.TOKENIZER:  # only requests it may still hold: the others never need it again
+            rids = slot.rm.fail_unstarted(message)
+        else:
+            rids = list(slot.rm.reqs)
+            slot.rm.fail_all(message)
         for rid in rids:
             self.metrics.forget(rid)
-        slot.rm.fail_all(f"request failed: {reason}; the worker is being restarted")
-        self.metrics.on_worker_restart(name)
+        if not giving_up:
+            self.metrics.on_worker_restart(name)
         if name != ipc.SCHEDULER and rids:  # the engine still runs them: nobody would read their output
             self._spawn(self._abort_in_scheduler(slot, rids))
         self.notifier.send(f"STATUS={self.state}: {reason}")
@@ -495,7 +502,7 @@ class Daemon:
         if slot is None:
             return
         sup = slot.supervisor
-        failed = next((h for h in sup.workers.values() if h.restarts > 0), None)
+        failed = next((h for h in sup.workers.values() if h.restart_times), None)  # lost once at least
         if slot.ready:
             try:
                 self._record_active(slot.engine.model_path, getattr(slot, "overrides", {}),
@@ -632,7 +639,8 @@ class Daemon:
             self.reload_config()
         except APIError as e:
             logger.error("%s", e.message)
-        self.notifier.send("READY=1")
+        if self._announced_ready:  # before the first READY=1 (still loading), that one comes when ready
+            self.notifier.send("READY=1")
 
     # ---- serve -------------------------------------------------------------------------------
     async def serve(self) -> int:

@@ -217,6 +217,16 @@ class RequestManager:
         self.groups.clear()
         self.aliases.clear()
 
+    def fail_unstarted(self, message: str) -> list[str]:
+        """The tokenizer worker was lost: the requests with no output yet (it may have held them) end now
+        with a 503; those already generating never need it again and go on. Returns the ids failed."""
+        failed = [rid for rid, state in self.reqs.items() if state.last is None]
+        for rid in failed:
+            state = self._drop(rid)
+            assert state is not None
+            state.queue.put_nowait(RequestFailed(rid, "unavailable", message))
+        return failed
+
     def close(self) -> None:
         self.to_tokenizer.close(linger=0)
         self.to_scheduler.close(linger=0)

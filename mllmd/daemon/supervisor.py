@@ -172,9 +172,8 @@ class Supervisor:
         self._lost(h, reason, now)
 
     def _lost(self, h: WorkerHandle, reason: str, now: float) -> None:
-        logger.error("%s; restarting", reason)
         h.proc, h.ready = None, False
-        h.restarts += 1
+        h.last_error = reason  # kept in status after a restart (the log is not the only place it is)
         h.restart_times.append(now)
         while h.restart_times and now - h.restart_times[0] > self.policy.restart_window:
             h.restart_times.popleft()
@@ -182,10 +181,14 @@ class Supervisor:
         h.next_start = now + h.backoff
         if len(h.restart_times) > self.policy.max_restarts:
             self.degraded_reason = (
-                f"{reason}; {len(h.restart_times)} restarts within {self.policy.restart_window:.0f} s, giving up"
+                f"{reason}; {len(h.restart_times) - 1} restarts within {self.policy.restart_window:.0f} s already, "
+                "giving up"
             )
             self.degraded_worker = h.name
-            logger.error("degraded: %s", self.degraded_reason)
+            logger.error("degraded: %s", self.degraded_reason)  # no restart: `restarts` counts those made
+        else:
+            logger.error("%s; restarting", reason)
+            h.restarts += 1
         self.on_worker_lost(h.name, reason)
 
     def status(self) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -130,11 +131,24 @@ def test_kill9_workers_during_stream(daemon_factory: Any) -> None:
     # (when the tokenizer or detokenizer dies, the scheduler lives on), the next request would wait.
     d = daemon_factory("--scheduler.max_running_requests", "1")
     full = long_run_seconds(d)
-    for worker in ("scheduler", "detokenizer", "tokenizer"):
+    for worker in ("scheduler", "detokenizer"):
         pid, elapsed, w = kill_during_stream(d, worker, signal.SIGKILL, deadline_s=5.0)
         wait_replaced(d, worker, pid)
         latency = assert_serving(d)
         assert latency < max(3.0, full / 4), f"after the {worker} restart a short request took {latency:.1f} s"
+    # a stream already generating never needs the tokenizer again: it goes on to its end while the
+    # tokenizer worker is replaced (before, every stream in flight failed with it)
+    pid = d.worker_pid("tokenizer")
+    with httpx.Client(base_url=d.base_url, timeout=httpx.Timeout(30.0, read=full + 30)) as h:
+        with h.stream("POST", "/v1/chat/completions", json=LONG) as r:
+            assert r.status_code == 200
+            w = StreamWatcher(r)
+            w.read_until_chunks(3, timeout=30)
+            os.kill(pid, signal.SIGKILL)
+            w.read_to_end()
+    assert w.done and w.error is None and w.chunks > LONG["max_tokens"] // 2, (w.error, w.chunks)  # a chunk: a token or more
+    wait_replaced(d, "tokenizer", pid)
+    assert_serving(d)
     # the other workers were not disturbed by the last restart, and all three are alive
     assert set(d.workers()) == {"tokenizer", "scheduler", "detokenizer"}
 
@@ -176,8 +190,12 @@ def test_sigstop_scheduler_detected_and_replaced(daemon_factory: Any) -> None:
     d = daemon_factory("--workers.heartbeat_timeout", str(timeout), "--workers.heartbeat_interval", "0.3")
     pid = d.worker_pid("scheduler")
     # the in-flight stream fails within the heartbeat timeout (plus the supervisor's poll and slack)
-    _, elapsed, _ = kill_during_stream(d, "scheduler", signal.SIGSTOP, deadline_s=timeout + 2.0)
-    assert elapsed >= timeout * 0.8, f"declared hung after {elapsed:.2f} s, before the heartbeat timeout"
+    kill_during_stream(d, "scheduler", signal.SIGSTOP, deadline_s=timeout + 2.0)
+    # declared hung only once its last heartbeat was `timeout` old (the supervisor's reason says how old;
+    # on a loaded machine that beat may have come late already, so the time since the SIGSTOP says less)
+    silences = [float(m) for m in re.findall(r"scheduler worker sent no heartbeat for ([0-9.]+) s",
+                                             d.log_path.read_text(errors="replace"))]
+    assert silences and all(s >= timeout for s in silences), (silences, d.log_tail())
     # the stopped process was killed (not left stopped) and replaced
     deadline = time.monotonic() + 5
     while pid_alive(pid) and time.monotonic() < deadline:
@@ -204,7 +222,7 @@ def _repeated_crashes_degrade(daemon_factory: Any, listener: NotifyListener) -> 
     os.kill(first, signal.SIGKILL)
     second = wait_replaced(d, "scheduler", first)
     assert_serving(d)
-    os.kill(second, signal.SIGKILL)  # the second crash within the window: give up
+    os.kill(second, signal.SIGKILL)  # the second crash within the window: give up (no restart made)
     deadline = time.monotonic() + 10
     while True:  # 503 "loading" first (the worker is gone), then "degraded" once the supervisor sees it
         code, body = d.health()
@@ -219,6 +237,14 @@ def _repeated_crashes_degrade(daemon_factory: Any, listener: NotifyListener) -> 
     assert code == 503 and "degraded" in body["reason"]
     assert "scheduler" not in d.workers()
     assert d.proc.poll() is None
+    # one restart was made, and counted once: the give-up is neither a restart nor logged as one
+    with d.uds_http() as admin:
+        [sched] = [w for w in admin.get("/admin/status").json()["workers"] if w["name"] == "scheduler"]
+        metrics = admin.get("/metrics").text
+    assert sched["restarts"] == 1 and "status -9" in (sched["last_error"] or ""), sched
+    assert 'mllmd_worker_restarts_total{worker="scheduler"} 1.0' in metrics
+    log = d.log_path.read_text(errors="replace")
+    assert log.count("scheduler worker exited with status -9; restarting") == 1, d.log_tail()
     with d.http() as h:
         assert h.get("/v1/models").status_code == 200
         r = h.post("/v1/chat/completions", json=SHORT)

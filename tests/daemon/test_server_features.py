@@ -442,3 +442,19 @@ def test_output_token_default_and_cap() -> None:
     assert budget(None, 16) == (None, 16)  # /v1/completions keeps OpenAI's 16
     assert budget(100, None, max_tokens_cap=50) == (50, 50)
     assert budget(None, None, default_max_tokens=None, max_tokens_cap=50) == (None, 50)
+
+
+def test_sighup_before_ready_does_not_announce_ready() -> None:
+    """A SIGHUP while the model still loads (logrotate, kill -HUP) sent READY=1 after its RELOADING=1, so
+    systemd started the units ordered after mllmd before it could serve. READY=1 follows a reload only
+    once the daemon has announced it is ready."""
+    from types import SimpleNamespace
+
+    from mllmd.daemon.main import Daemon
+
+    for announced, expected in ((False, ["RELOADING=1"]), (True, ["RELOADING=1", "READY=1"])):
+        sent: list[str] = []
+        fake = SimpleNamespace(notifier=SimpleNamespace(send=sent.append), reload_config=lambda: None,
+                               _announced_ready=announced)
+        Daemon._on_sighup(fake)  # type: ignore[arg-type]
+        assert sent == expected

@@ -4,11 +4,13 @@ descriptor it needs), the Unix socket stays reachable, and the log stays bounded
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,29 @@ def closed_by_server(s: socket.socket, timeout: float) -> bytes | None:
         return data
 
 
+@contextlib.contextmanager
+def trickled(socks: list[socket.socket], data: bytes) -> Iterator[None]:
+    """Send `data` on every socket every 0.3 s (a slow client) while the block runs."""
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.is_set():
+            for s in socks:
+                try:
+                    s.send(data)
+                except OSError:
+                    pass
+            time.sleep(0.3)
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+
+
 def health_ok(d: Any) -> bool:
     return httpx.get(d.base_url + "/health", timeout=10).status_code == 200
 
@@ -65,26 +90,10 @@ def test_slowloris_connections_are_closed(d: Any) -> None:
     silent = connect(d, 10)
     trickling = connect(d, 10)
     for s in trickling:
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-    stop = threading.Event()
-
-    def trickle() -> None:
-        while not stop.is_set():
-            for s in trickling:
-                try:
-                    s.send(b"a")
-                except OSError:
-                    pass
-            time.sleep(0.3)
-
-    t = threading.Thread(target=trickle, daemon=True)
-    t.start()
-    try:
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    with trickled(trickling, b"a"):
         assert health_ok(d)  # served meanwhile
         outcomes = [closed_by_server(s, 30 + HEADER_TIMEOUT) for s in silent + trickling]
-    finally:
-        stop.set()
-        t.join(5)
     assert all(o is not None for o in outcomes), "a slow connection stayed open"
     assert all(o == b"" for o in outcomes[:10])  # nothing sent: closed without a word
     assert all(o.startswith(b"HTTP/1.1 408") for o in outcomes[10:] if o), outcomes[10:]  # type: ignore[union-attr]
@@ -103,32 +112,16 @@ def test_a_dribbled_body_does_not_hold_its_connection(d: Any) -> None:
     closes the connection, and a body must end within server.body_timeout."""
     chunked = "Transfer-Encoding: chunked\r\nContent-Type: application/json\r\n"
     heads = [
-        f"GET /health HTTP/1.1\r\nHost: x\r\n{chunked}\r\n",
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n{chunked}\r\n",  # no key: 401
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n{chunked}\r\n",
+        f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{chunked}\r\n",
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{chunked}\r\n",  # no key: 401
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n{chunked}\r\n",
     ]
     socks = connect(d, len(heads))
     for s, head in zip(socks, heads):
         s.sendall(head.encode() + b"1\r\n{\r\n")
-    stop = threading.Event()
-
-    def dribble() -> None:
-        while not stop.is_set():
-            for s in socks:
-                try:
-                    s.send(b"1\r\n \r\n")
-                except OSError:
-                    pass
-            time.sleep(0.3)
-
-    t = threading.Thread(target=dribble, daemon=True)
-    t.start()
     start = time.monotonic()
-    try:
+    with trickled(socks, b"1\r\n \r\n"):  # one-byte chunks
         outcomes = [closed_by_server(s, BODY_TIMEOUT + 15) for s in socks]
-    finally:
-        stop.set()
-        t.join(5)
     took = time.monotonic() - start
     assert all(o is not None for o in outcomes), ("a dribbling connection stayed open", outcomes)
     statuses = [o.split(b"\r\n", 1)[0] for o in outcomes if o is not None]
@@ -148,7 +141,7 @@ def test_huge_headers_are_431_before_authentication(d: Any) -> None:
     def huge(result: list[bytes | None]) -> None:
         s = socket.create_connection(("127.0.0.1", d.port), timeout=30)
         try:
-            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
             chunk = b"a" * (1 << 20)
             for _ in range(64):
                 s.sendall(chunk)
