@@ -350,11 +350,13 @@ class Api:
         return JSONResponse({"prompt": text})
 
     async def _echo_texts(self, prompts: list[str | list[int]], n: int) -> list[str]:
-        """Each choice's prompt as `echo` returns it: a prompt of token ids as the tokenizer decodes it."""
+        """Each choice's prompt as `echo` returns it: a prompt of token ids as the tokenizer decodes it
+        (one /detokenize job each, in turn: the jobs queue answers a burst with 503s)."""
+        slot = self.d.serving_slot(1) if any(not isinstance(p, str) for p in prompts) else None
         texts = []
         for p in prompts:
             if not isinstance(p, str):
-                p = (await self._tokenizer(self.d.serving_slot(1), TokenizeOnly(_query_id(), None, list(p)))).text
+                p = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, list(p)))).text
             texts += [p] * n
         return texts
 
