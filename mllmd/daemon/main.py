@@ -610,7 +610,8 @@ class Daemon:
                        "gpu_used_bytes": snap.get("gpu_memory_used_bytes"),
                        "gpu_total_bytes": snap.get("gpu_memory_total_bytes")},
             "telemetry_sources": snap.get("sources"),
-            "connections": self.connections.stats() if self.connections is not None else None,
+            "connections": {**self.connections.stats(), "body_bytes_arriving": self.bodies.used,
+                            "body_bytes_limit": self.bodies.limit} if self.connections is not None else None,
             "config": self.config.redacted(),
         }
 

@@ -264,11 +264,13 @@ def test_bodies_held_open_are_bounded_in_all(d: Any, h: Any) -> None:
             s = socket.create_connection(("127.0.0.1", d.port), timeout=10)
             s.sendall(head + b" " * (size - 1))  # a byte short: the body stays open
             held.append(s)
-        deadline = time.monotonic() + 20
-        while True:  # until the server has read the held bodies (it reads them as they come)
-            r = h.post(CHAT, content=b" " * size, headers={"Content-Type": "application/json"})
-            if r.status_code == 503 or time.monotonic() > deadline:
-                break
+        deadline = time.monotonic() + 60
+        with d.uds_http() as admin:  # until the server has read the held bodies (it reads them as they come)
+            while (conns := admin.get("/admin/status").json()["connections"])["body_bytes_arriving"] < \
+                    BODIES_IN_FLIGHT * (size - 1) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert conns["body_bytes_arriving"] == BODIES_IN_FLIGHT * (size - 1) == conns["body_bytes_limit"] - 88, conns
+        r = h.post(CHAT, content=b" " * size, headers={"Content-Type": "application/json"})
         err = assert_openai_error(r, 503)
         assert "bodies" in err["message"] and "retry-after" in r.headers
     finally:
