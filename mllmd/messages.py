@@ -64,11 +64,13 @@ class PromptMeta(msgspec.Struct, frozen=True):
 
 class OutputBudget(msgspec.Struct, frozen=True):
     """How many tokens a choice may generate: the client's `requested`, else `default` (None: the rest
-    of the context), never more than the context leaves after the prompt (see sampling_params.fit_max_tokens)."""
+    of the context), never more than the context, nor the KV cache (`kv_tokens`, when it is the smaller:
+    a small GPU), leaves after the prompt (see sampling_params.fit_max_tokens)."""
 
     requested: int | None = None
     default: int | None = None
     param: str = "max_tokens"  # the request field named when the budget is at fault
+    kv_tokens: int | None = None  # the tokens the serving model's KV cache holds (None: not known)
 
 
 # ---- tensors between the tokenizer and the scheduler (mllmd.multimodal.transport) -----------------

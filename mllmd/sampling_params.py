@@ -157,25 +157,30 @@ def fit_max_tokens(
     context_length: int,
     prompt_param: str,
     budget_param: str = "max_tokens",
+    kv_tokens: int | None = None,
 ) -> int:
     """The output-token limit of a request once its prompt length is known.
 
     `requested` (the client's max_tokens, sent as `budget_param`) is kept as given, and refused here,
-    naming both numbers and that field, when prompt + requested is over the context (the engine refuses
-    what is over its KV cache). Unset, the limit is `default` capped at what the context leaves, or
-    (default None) all of it. A prompt that leaves no room at all is refused, naming `prompt_param`.
+    naming both numbers and that field, when prompt + requested is over the context or over the KV
+    cache's `kv_tokens` (a small GPU may hold fewer tokens than the model's context). Unset, the limit
+    is `default` capped at what both leave, or (default None) all of it. A prompt that leaves no room
+    at all is refused, naming `prompt_param`.
     """
-    room = context_length - prompt_tokens
+    limit, what = context_length, "the model's context length"
+    if kv_tokens is not None and kv_tokens < context_length:
+        limit, what = kv_tokens, "the KV cache"
+    room = limit - prompt_tokens
     if room < 1:
         raise InvalidSamplingParam(
-            f"the prompt has {prompt_tokens} tokens but the model's context length is {context_length} "
+            f"the prompt has {prompt_tokens} tokens but {what} holds {limit} "
             "(at least one token must be left for the completion)",
             prompt_param,
         )
     if requested is not None and requested > room:
         raise InvalidSamplingParam(
             f"prompt ({prompt_tokens} tokens) + {budget_param} ({requested}) = {prompt_tokens + requested} "
-            f"tokens exceeds the context length of {context_length}",
+            f"tokens exceeds {what} of {limit}",
             budget_param,
         )
     return requested if requested is not None else output_limit(default, room)

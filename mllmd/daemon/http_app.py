@@ -186,8 +186,8 @@ class Api:
         params = req.sampling_params()
         params.constraint = constraint
         slot = self.d.serving_slot(n)
-        states = await slot.rm.submit(prompt, params, self._budget(req.output_budget()), n, prompt_param,
-                                      slot.context_length, alias)
+        budget = self._budget(req.output_budget(), slot.info.max_total_tokens if slot.info is not None else None)
+        states = await slot.rm.submit(prompt, params, budget, n, prompt_param, slot.context_length, alias)
         info = request_info(request.scope)
         if info is not None:  # the access log reads their token counts
             info.states = states
@@ -213,9 +213,10 @@ class Api:
             info.states = states
         return states
 
-    def _budget(self, budget: OutputBudget) -> OutputBudget:
+    def _budget(self, budget: OutputBudget, kv_tokens: int | None) -> OutputBudget:
         """The client's budget with the server's output-token default (server.default_max_tokens, for a
-        request that gives none) and cap (server.max_tokens_cap, for every request)."""
+        request that gives none), cap (server.max_tokens_cap, for every request) and the serving
+        model's KV cache size (`kv_tokens`)."""
         srv = self.d.config.server
         default = budget.default if budget.default is not None else srv.default_max_tokens
         requested = budget.requested
@@ -223,7 +224,7 @@ class Api:
         if cap is not None:
             default = cap if default is None else min(default, cap)
             requested = None if requested is None else min(requested, cap)
-        return OutputBudget(requested, default, budget.param)
+        return OutputBudget(requested, default, budget.param, kv_tokens or None)
 
     # ---- routes ------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:

@@ -95,7 +95,7 @@ class RequestManager:
         if isinstance(prompt, TokenPrompt) and context_length:
             try:
                 max_tokens = fit_max_tokens(budget.requested, budget.default, len(prompt.ids), context_length,
-                                            prompt_param, budget.param)
+                                            prompt_param, budget.param, budget.kv_tokens)
             except InvalidSamplingParam as e:
                 raise bad_request(str(e), e.param) from None
             direct = choice_params(dataclasses.replace(params, max_tokens=max_tokens), n)

@@ -154,7 +154,8 @@ def generate_requests(req: TokenizeRequest, ids: list[int], meta: PromptMeta, co
     """One GenerateRequest per choice, with max_tokens fitted to the prompt (InvalidSamplingParam if it
     cannot); `images` gives each choice its own ImageInputs."""
     b = req.budget
-    max_tokens = fit_max_tokens(b.requested, b.default, len(ids), context_length, req.prompt_param, b.param)
+    max_tokens = fit_max_tokens(b.requested, b.default, len(ids), context_length, req.prompt_param, b.param,
+                                b.kv_tokens)
     params = dataclasses.replace(req.params, max_tokens=max_tokens)
     sent = time.perf_counter()  # FirstTokenTimes.tokenized
     return [GenerateRequest(rid, ids, p, meta, req.t_submit, images() if images is not None else [], sent)
