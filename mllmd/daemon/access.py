@@ -4,8 +4,10 @@ A pure ASGI middleware (not Starlette's BaseHTTPMiddleware, which would run the 
 task and lose the contextvar): it takes the client's `X-Request-Id` when it is printable ASCII of
 bounded length, else makes one; sets it in `mllmd.logfmt.request_id` for every log line of the
 request; returns it on every response (errors and SSE included); and, when the response has ended,
-writes one INFO line to the `mllmd.access` logger: method, route, status, tokens when known,
-latency, request id. Never bodies, headers or keys.
+writes one INFO line to the `mllmd.access` logger: method, route, status, how the response ended
+(`outcome`: ok; cut, when its body never ended, a client that left mid-stream; error, a stream that
+ended with an error event after its 200), tokens when known, latency, request id. Never bodies,
+headers or keys.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class RequestInfo:
 
     request_id: str
     states: list[Any] = field(default_factory=list)  # RequestStates: their last outputs carry token counts
+    stream_error: bool = False  # a stream ended with an error event (its status line said 200)
 
     def tokens(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens so far; (None, None) when the request generated nothing."""
@@ -74,6 +77,7 @@ class RequestContext:
         token = request_id.set(info.request_id)
         header = (b"x-request-id", info.request_id.encode("ascii"))
         status = [0]
+        ended = [False]
         start = time.perf_counter()
 
         async def send_with_id(message: dict[str, Any]) -> None:
@@ -81,20 +85,24 @@ class RequestContext:
                 status[0] = message["status"]
                 message["headers"] = [*message.get("headers", ()), header]
             await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended[0] = True
 
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            _log_access(scope, info, status[0], time.perf_counter() - start)
+            outcome = "error" if info.stream_error else "ok" if ended[0] else "cut"
+            _log_access(scope, info, status[0], outcome, time.perf_counter() - start)
             request_id.reset(token)
 
 
-def _log_access(scope: Scope, info: RequestInfo, status: int, seconds: float) -> None:
+def _log_access(scope: Scope, info: RequestInfo, status: int, outcome: str, seconds: float) -> None:
     prompt, completion = info.tokens()
     route = _printable(scope.get("path", ""))
     access_logger.info(
-        "%s %s %s prompt_tokens=%s completion_tokens=%s %.1f ms", scope.get("method", "-"), route,
-        status or "-", "-" if prompt is None else prompt, "-" if completion is None else completion, seconds * 1e3,
-        extra={"method": scope.get("method"), "route": route, "status": status or None,
+        "%s %s %s outcome=%s prompt_tokens=%s completion_tokens=%s %.1f ms", scope.get("method", "-"), route,
+        status or "-", outcome, "-" if prompt is None else prompt, "-" if completion is None else completion,
+        seconds * 1e3,
+        extra={"method": scope.get("method"), "route": route, "status": status or None, "outcome": outcome,
                "prompt_tokens": prompt, "completion_tokens": completion, "latency_ms": round(seconds * 1e3, 1)},
     )

@@ -153,6 +153,8 @@ class Api:
                 await s.owner.abort(s.rid)
             serving.raise_if_error(first)
 
+        info = request_info(request.scope)
+
         async def body() -> AsyncIterator[bytes]:
             try:
                 if isinstance(first, _Pending):
@@ -163,11 +165,17 @@ class Api:
                         else:
                             yield beat
                     if error is not None:
+                        if info is not None:
+                            info.stream_error = True
                         yield serving.stream_error(error)
                         return
                 async for chunk in gen:
+                    if info is not None and chunk.startswith(serving.ERROR_EVENT_PREFIX):
+                        info.stream_error = True  # the access log's outcome
                     yield chunk
             except Exception:  # the status line is gone: end the stream with an error event
+                if info is not None:
+                    info.stream_error = True
                 _errors.exception(f"stream:{request.url.path}", "a %s stream failed", request.url.path)
                 yield R.sse({"error": {"message": "Internal server error.", "type": "server_error",
                                        "param": None, "code": None}})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -331,6 +332,7 @@ class Daemon:
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
                          self._on_slot_message, self._on_worker_lost, self.config.model.chat_template,
                          self._media_settings(), self.config.logging.format)
+        slot.rm.on_abort = functools.partial(self.metrics.on_request_failed, "aborted", model_name=name)
         names = self.config.served_model_names(path)
         if names and names[0] == name:
             slot.aliases = names
@@ -467,6 +469,7 @@ class Daemon:
             slot.rm.fail_all(message)
         for rid in rids:
             self.metrics.forget(rid)
+        self.metrics.on_request_failed("error", len(rids), model_name=slot.served_name)
         if not giving_up:
             self.metrics.on_worker_restart(name)
         if name != ipc.SCHEDULER and rids:  # the engine still runs them: nobody would read their output
@@ -486,12 +489,15 @@ class Daemon:
             for item in msg.items:
                 st = slot.rm.reqs.get(item.rid)
                 if st is not None:
-                    self.metrics.on_output(item.rid, item, st.created)
+                    self.metrics.on_output(item.rid, item, st.created, model_name=slot.served_name)
                 elif item.finished:  # its handler gave it up (client gone, admin abort): its timeline goes
                     self.metrics.forget(item.rid)
         elif isinstance(msg, RequestFailed):
-            for r in slot.rm.groups.get(msg.rid, [msg.rid]):
+            live = [r for r in slot.rm.groups.get(msg.rid, [msg.rid]) if r in slot.rm.reqs]
+            for r in live:
                 self.metrics.forget(r)
+            self.metrics.on_request_failed("rejected" if msg.code == "invalid_request" else "error", len(live),
+                                           model_name=slot.served_name)
         elif isinstance(msg, ControlResult):
             fut = self._controls.get(msg.id)
             if fut is not None and not fut.done():

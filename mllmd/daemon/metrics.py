@@ -11,6 +11,9 @@ Serving metrics
     (1 for the loaded model only), ``mllmd_up`` (1 when ready); counters
     ``mllmd_prompt_tokens_total``, ``mllmd_generation_tokens_total`` (per finished request, from its
     usage, as SGLang counts them), ``mllmd_request_success_total{finished_reason}``,
+    ``mllmd_request_failure_total{reason}`` (requests that ended without a finish reason: ``aborted``, the
+    client left or an administrator aborted it; ``rejected``, a worker refused it as invalid, e.g. a
+    prompt over the context; ``error``, a worker failed or was lost),
     ``mllmd_prefix_cache_queries_total`` / ``mllmd_prefix_cache_hits_total`` (prompt tokens looked
     up / found in the prefix cache), ``mllmd_preemptions_total`` (from the scheduler's cumulative
     count), ``mllmd_worker_restarts_total{worker}`` (no model label).
@@ -34,7 +37,8 @@ decode step 10-200 ms:
 
 The three phase histograms come from the scheduler worker (``EngineStats.timings``, per finished
 request). Every serving metric labelled by model is present from the moment a model is set: its
-counters at 0 (``mllmd_request_success_total`` for the reasons ``stop`` and ``length``), its
+counters at 0 (``mllmd_request_success_total`` for the reasons ``stop`` and ``length``,
+``mllmd_request_failure_total`` for its three reasons), its
 histograms empty, so that rate() and absent() queries work before the first request.
 
 Device telemetry comes from the newest :class:`~mllmd.telemetry.collector.TelemetrySnapshot` given
@@ -115,6 +119,7 @@ MODEL = ("model_name",)
 ENGINE_COUNTERS = {"preemptions": "preemptions"}
 MAX_TRACKED_REQUESTS = 16384
 FINISH_REASONS = ("stop", "length")  # the mllmd_request_success_total series present from the start
+FAILURE_REASONS = ("aborted", "rejected", "error")  # mllmd_request_failure_total's
 
 
 @dataclass
@@ -223,6 +228,9 @@ class Metrics:
         self.generation_tokens = Counter("mllmd_generation_tokens_total", "Generated tokens of finished requests", MODEL, registry=r)
         self.request_success = Counter("mllmd_request_success_total", "Finished requests by finish reason",
                                        ("model_name", "finished_reason"), registry=r)
+        self.request_failure = Counter("mllmd_request_failure_total",
+                                       "Requests that ended without a finish reason: aborted, rejected or error",
+                                       (*MODEL, "reason"), registry=r)
         self.prefix_cache_queries = Counter("mllmd_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", MODEL, registry=r)
         self.prefix_cache_hits = Counter("mllmd_prefix_cache_hits_total", "Prompt tokens found in the prefix cache", MODEL, registry=r)
         self.preemptions = Counter("mllmd_preemptions_total", "Requests preempted (recomputed) for lack of KV cache", MODEL, registry=r)
@@ -267,6 +275,8 @@ class Metrics:
             metric.labels(name)
         for reason in FINISH_REASONS:
             self.request_success.labels(name, reason)
+        for reason in FAILURE_REASONS:
+            self.request_failure.labels(name, reason)
         for hop in FIRST_TOKEN_HOPS:
             self.first_token_hop.labels(name, hop)
 
@@ -354,13 +364,20 @@ class Metrics:
                 if cur >= prev:
                     itl.observe(cur - prev)
 
-    def on_output(self, rid: str, item: TextOutput, arrival: float, now: float | None = None) -> None:
+    def on_request_failed(self, reason: str, count: int = 1, *, model_name: str | None = None) -> None:
+        """`count` requests ended without a finish reason (one of FAILURE_REASONS)."""
+        if count > 0:
+            self.request_failure.labels(model_name or self.model_name or "", reason).inc(count)
+
+    def on_output(self, rid: str, item: TextOutput, arrival: float, now: float | None = None, *,
+                  model_name: str | None = None) -> None:
         """Feed every output item of a request (from the detokenizer); on its finished item the
         request is observed with :meth:`on_request_finished`. `arrival` uses `now`'s clock
-        (time.monotonic by default)."""
+        (time.monotonic by default); `model_name`, that of the model serving it (default: the loaded
+        one; during a swap the old model still finishes its requests)."""
         now = time.monotonic() if now is None else now
         if item.first_times is not None:
-            name = self.model_name or ""
+            name = model_name or self.model_name or ""
             for hop, seconds in first_token_hops(item.first_times, time.perf_counter()).items():
                 if seconds >= 0 and math.isfinite(seconds):
                     self.first_token_hop.labels(name, hop).observe(seconds)
@@ -375,7 +392,8 @@ class Metrics:
                 del self._timelines[rid]
         if item.finished:
             self.on_request_finished(item.finish_reason or "stop", tl.prompt_tokens, tl.completion_tokens,
-                                     tl.cached_tokens, tl.arrival, tl.first_token, now, tl.token_times)
+                                     tl.cached_tokens, tl.arrival, tl.first_token, now, tl.token_times,
+                                     model_name=model_name)
 
     @property
     def num_tracked(self) -> int:

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,8 @@ class RequestManager:
         # a client's own request id -> its group. The engine only ever sees the random ids: a client id
         # reused at once cannot meet the outputs of the request it named before
         self.aliases: dict[str, str] = {}
+        # told of each choice given up before it finished (client gone, admin abort): the metrics
+        self.on_abort: Callable[[], None] | None = None
 
     @staticmethod
     def new_rid() -> str:
@@ -143,6 +146,8 @@ class RequestManager:
         still encoding: work nobody waits for)."""
         state = self._drop(rid)
         if state is not None:
+            if self.on_abort is not None:
+                self.on_abort()
             await self.send_abort(rid)
             if state.group not in self.groups:
                 try:
@@ -159,6 +164,8 @@ class RequestManager:
         for r in rids:
             state = self._drop(r)
             assert state is not None
+            if self.on_abort is not None:
+                self.on_abort()
             last = state.last
             state.queue.put_nowait(TextOutput(
                 rid=r, text="", token_ids=[], finished=True, finish_reason="abort", matched_stop=None,

@@ -56,6 +56,9 @@ def raise_if_error(item: Result) -> TextOutput:
     return item
 
 
+ERROR_EVENT_PREFIX = b'data: {"error"'  # how every event of stream_error begins
+
+
 def stream_error(item: RequestFailed) -> bytes:
     """The SSE event that ends a stream whose request failed after its first event: the body the same
     failure gets as an HTTP error (a refused request is an invalid_request_error naming its field)."""

@@ -198,3 +198,40 @@ def test_n_beyond_the_whole_queue_is_a_400_not_a_503(small: Any) -> None:
     err = r.json()["error"]
     assert err["param"] == "n" and "n=5" in err["message"] and "max_queued_requests" in err["message"]
     assert run_request(small.base_url, {**chat(3), "n": 4})["status"] == 200
+
+
+def _aborted_total(d: Any) -> float:
+    for line in httpx.get(d.base_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("mllmd_request_failure_total{") and 'reason="aborted"' in line:
+            return float(line.rpartition(" ")[2])
+    raise AssertionError("mllmd_request_failure_total{reason=aborted} is missing")
+
+
+def test_a_stream_left_midway_is_counted_aborted_and_logged_cut(serial: Any) -> None:
+    """The status line said 200, but the client never got the end: the access log says outcome=cut
+    (not a plain 200), and the request counts as aborted in /metrics."""
+    before = _aborted_total(serial)
+    with httpx.Client(base_url=serial.base_url, timeout=30) as h:
+        with h.stream("POST", "/v1/chat/completions", json=chat(2000, stream=True),
+                      headers={"X-Request-Id": "left-midway-1"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: "):
+                pass
+    deadline = time.monotonic() + 30
+    while (_aborted_total(serial) < before + 1 or "left-midway-1" not in serial.log_path.read_text(errors="replace")) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (aborted := _aborted_total(serial)) >= before + 1
+    line = [x for x in serial.log_path.read_text(errors="replace").splitlines() if "left-midway-1" in x and "outcome=" in x]
+    assert len(line) == 1 and " 200 outcome=cut " in line[0], line
+    # a stream read to its end is "ok", and nothing more counts as aborted
+    with httpx.Client(base_url=serial.base_url, timeout=30) as h:
+        r = h.post("/v1/chat/completions", json=chat(3, stream=True), headers={"X-Request-Id": "read-to-end-1"})
+        assert r.status_code == 200 and r.text.rstrip().endswith("[DONE]")
+    deadline = time.monotonic() + 30
+    while "read-to-end-1" not in serial.log_path.read_text(errors="replace") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    line = [x for x in serial.log_path.read_text(errors="replace").splitlines() if "read-to-end-1" in x and "outcome=" in x]
+    assert len(line) == 1 and " 200 outcome=ok " in line[0], line
+    assert _aborted_total(serial) == aborted

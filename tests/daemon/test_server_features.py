@@ -316,6 +316,8 @@ def test_every_documented_series_is_there_and_the_phases_are_observed(d: Any, h:
     for reason in ("stop", "length"):
         assert f'mllmd_request_success_total{{finished_reason="{reason}",{label}}}' in m or \
             f'mllmd_request_success_total{{{label},finished_reason="{reason}"}}' in m
+    for reason in ("aborted", "rejected", "error"):
+        assert f'mllmd_request_failure_total{{{label},reason="{reason}"}}' in m, reason
     phases = ("mllmd_request_queue_time_seconds", "mllmd_request_prefill_time_seconds",
               "mllmd_request_decode_time_seconds")
     before = {p: m[f"{p}_count{{{label}}}"] for p in phases}
@@ -433,7 +435,7 @@ def test_output_token_default_and_cap() -> None:
 
     def budget(requested: int | None, default: int | None, **cfg: Any) -> tuple[int | None, int | None]:
         api = Api(SimpleNamespace(config=load_config("/dev/null", {f"server.{k}": v for k, v in cfg.items()})))  # type: ignore[arg-type]
-        b = api._budget(OutputBudget(requested, default))
+        b = api._budget(OutputBudget(requested, default), None)
         return b.requested, b.default
 
     assert budget(None, None) == (None, 4096)  # the documented default

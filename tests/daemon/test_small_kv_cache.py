@@ -69,9 +69,20 @@ def test_a_limit_over_the_cache_names_the_field_and_the_cache(h: Any, field: str
     assert r.status_code == 400 and err["param"] == "max_tokens" and str(KV_TOKENS) in err["message"], err
 
 
+def rejected_total(h: Any) -> float:
+    line = [x for x in h.get("/metrics").text.splitlines()
+            if x.startswith("mllmd_request_failure_total{") and 'reason="rejected"' in x]
+    assert len(line) == 1, line
+    return float(line[0].rpartition(" ")[2])
+
+
 def test_a_prompt_over_the_cache_names_the_prompt(h: Any) -> None:
+    before = rejected_total(h)
     for prompt in (list(range(1000, 1000 + KV_TOKENS + 5)), "hello " * (KV_TOKENS + 5)):
-        r = h.post(COMPL, json={"prompt": prompt, "max_tokens": 1})
+        r = h.post(COMPL, json={"prompt": prompt, "max_tokens": 1, "n": 2})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and "KV cache" in err["message"], err
         assert str(KV_TOKENS) in err["message"], err
+    # the text prompt was refused by the tokenizer worker (both choices count as rejected); the token
+    # ids were refused in the main process before anything was submitted
+    assert rejected_total(h) == before + 2

@@ -35,6 +35,7 @@ SERVING = {
     "mllmd_prompt_tokens": "counter",
     "mllmd_generation_tokens": "counter",
     "mllmd_request_success": "counter",
+    "mllmd_request_failure": "counter",
     "mllmd_prefix_cache_queries": "counter",
     "mllmd_prefix_cache_hits": "counter",
     "mllmd_preemptions": "counter",
@@ -255,6 +256,24 @@ def test_on_output_observes_finished_requests() -> None:
     m.on_output("r2", output("r2", completion_tokens=1), arrival=0.0, now=1.0)
     m.forget("r2")
     assert not m._timelines
+
+
+def test_requests_of_a_model_being_swapped_out_count_under_its_own_name() -> None:
+    """During a hot swap the old model finishes its requests while the new one is loaded: they are the
+    old model's, not the new one's."""
+    m = loaded()
+    m.set_model("new-model", "Qwen3ForCausalLM", "bfloat16", None)
+    m.on_output("r1", output("r1", completion_tokens=1, prompt_tokens=5, finished=True, finish_reason="stop"),
+                arrival=0.0, now=1.0, model_name="qwen3-0.6b")
+    m.on_request_failed("aborted", 2, model_name="qwen3-0.6b")
+    assert get(m, "mllmd_request_success_total", finished_reason="stop", **MODEL) == 1
+    assert get(m, "mllmd_prompt_tokens_total", **MODEL) == 5
+    assert get(m, "mllmd_request_failure_total", reason="aborted", **MODEL) == 2
+    new = {"model_name": "new-model"}
+    assert get(m, "mllmd_request_success_total", finished_reason="stop", **new) == 0
+    assert get(m, "mllmd_request_failure_total", reason="aborted", **new) == 0
+    m.on_request_failed("rejected")  # no name: the loaded model
+    assert get(m, "mllmd_request_failure_total", reason="rejected", **new) == 1
 
 
 def test_telemetry_absent_means_omitted() -> None:
