@@ -67,7 +67,6 @@ class EngineConfig:
         "image tokens whose vision-encoder output a step may compute (a prefill chunk that needs more "
         "waits for the next step; an image larger than this is encoded alone in its step)",
     )
-    page_size: int = _f("cache", 1, "KV page size in tokens (1: token-level)")
     state_slots: int | None = _f(
         "cache", None,
         "hybrid models (Qwen3.5): recurrent-state slots, one per running request plus the prefix cache's "
@@ -185,7 +184,5 @@ def validate(cfg: EngineConfig) -> None:
     at_least("encoder_cache_mb", 0)
     at_least("state_slots", 1)
     at_least("state_snapshot_interval", 0)
-    if cfg.page_size != 1:
-        raise ConfigError(_key("page_size"), f"only 1 is supported; got {cfg.page_size}")
     if not 0.0 < cfg.mem_fraction_static < 1.0:
         raise ConfigError(_key("mem_fraction_static"), f"must be in (0, 1); got {cfg.mem_fraction_static}")

@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import socket
 import sys
 import time
 from typing import Any
 from urllib.parse import urlsplit
+
+from mllmd import knobs
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -181,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mllmctl", description="Operate a running mllmd.")
     ap.add_argument("--socket", help="daemon Unix socket (default: server.unix_socket from the config)")
     ap.add_argument("--url", help="daemon base URL over TCP, e.g. http://127.0.0.1:30000 (needs --admin-key)")
-    ap.add_argument("--admin-key", default=os.environ.get("MLLMD_ADMIN_KEY"), help="admin API key for --url")
+    ap.add_argument("--admin-key", default=knobs.admin_key(), help="admin API key for --url")
     ap.add_argument("--config", help="mllmd configuration file (to find the socket)")
     ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
     sub = ap.add_subparsers(dest="command", required=True)

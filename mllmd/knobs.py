@@ -1,7 +1,8 @@
 """Every environment variable the mllmd package reads, in one place, each with its default.
 
-Switches for debugging and comparisons (`MLLMD_*`), the folders systemd hands the service, and the
-cache folder. The kernel library has its own (`mllmd_kernels.knobs`). Values that the per-step code
+Switches for debugging and comparisons (`MLLMD_*`), the folders systemd hands the service, the
+cache folder and mllmctl's admin key. (CUDA_VISIBLE_DEVICES, read by the NVML telemetry to find
+the GPU the engine sees, is CUDA's own.) The kernel library has its own (`mllmd_kernels.knobs`). Values that the per-step code
 consults are read once, when this module is imported; the others each time they are asked for.
 A torch-free leaf: the main process imports it.
 """
@@ -29,7 +30,7 @@ W4A16_FUSIONS = _flag("MLLMD_W4A16_FUSIONS", True)
 
 # MLLMD_GEMV_FUSIONS=1 (default 0): at batch-1 decode the dense projections' one-row GEMV applies the
 # RMSNorm, SiLU-and-mul or gated RMSNorm before it (mllmd_kernels.gemv_fused) instead of running them
-# in launches of their own. Off by default: it measured slower on the H200 (NOTES.md, gemv_fused).
+# in launches of their own. Off by default: it measured slower on the H200 (docs/benchmarks.md).
 GEMV_FUSIONS = _flag("MLLMD_GEMV_FUSIONS", False)
 
 
@@ -74,3 +75,9 @@ def shared_models_dir() -> Path | None:
     """MLLMD_SHARED_MODELS=DIR (tests and the checkpoint builder; default unset): real model configs
     to build random-weight checkpoints from, looked at before the vendored copies."""
     return Path(os.environ["MLLMD_SHARED_MODELS"]) if os.environ.get("MLLMD_SHARED_MODELS") else None
+
+
+def admin_key() -> str | None:
+    """MLLMD_ADMIN_KEY (default unset): mllmctl's --admin-key for --url (the admin API over TCP), kept
+    off the command line (and out of `ps`)."""
+    return os.environ.get("MLLMD_ADMIN_KEY") or None

@@ -167,13 +167,13 @@ def fit_max_tokens(
     is `default` capped at what both leave, or (default None) all of it. A prompt that leaves no room
     at all is refused, naming `prompt_param`.
     """
-    limit, what = context_length, "the model's context length"
+    limit, what, size = context_length, "the context length", f"the model's context length is {context_length}"
     if kv_tokens is not None and kv_tokens < context_length:
-        limit, what = kv_tokens, "the KV cache"
+        limit, what, size = kv_tokens, "the KV cache", f"the KV cache holds {kv_tokens} tokens"
     room = limit - prompt_tokens
     if room < 1:
         raise InvalidSamplingParam(
-            f"the prompt has {prompt_tokens} tokens but {what} holds {limit} "
+            f"the prompt has {prompt_tokens} tokens but {size} "
             "(at least one token must be left for the completion)",
             prompt_param,
         )

@@ -67,7 +67,7 @@ class ServerSection:
     max_json_depth: int = _opt(64, "deepest nesting of objects and arrays in a request body; deeper: 400", low=2, high=256)
     max_stop_length: int = _opt(1024, "longest stop string, in characters; longer: 400", low=1, high=65536)
     body_timeout: float = _opt(60.0, "seconds a client may take to send a request body once its headers are in; slower: 408", positive=True)
-    header_timeout: float = _opt(10.0, "seconds a connection may take to send a request's headers (from its first byte, or from the connection's start); slower: closed", positive=True)
+    header_timeout: float = _opt(10.0, "seconds a connection may take to send a request's headers (from its first byte, or from the connection's start); slower: a 408 if some arrived, then closed", positive=True)
     max_header_bytes: int = _opt(65536, "largest request line + headers, in bytes (64 KiB); larger: 431 and the connection closed (checked before authentication)", low=1024)
     keepalive_timeout: float = _opt(5.0, "seconds an idle keep-alive connection stays open between requests", positive=True)
     max_connections: int = _opt(1000, "most open TCP connections; more are answered 503 and closed at once; never more than the open-file limit allows (RLIMIT_NOFILE minus a reserve for the workers and the Unix socket)", low=1)
@@ -75,18 +75,18 @@ class ServerSection:
     max_queued_requests: int = _opt(256, "most requests waiting for the scheduler; more: 503", low=1)
     shutdown_timeout: float = _opt(30.0, "seconds to let running requests finish on stop before aborting them", low=0)
     cors_allow_origins: tuple[str, ...] = _opt([], "origins (scheme://host[:port]) whose browser pages may call the API (CORS); [\"*\"]: any; []: CORS off (no CORS headers); a POST from any other origin is a 403 (CSRF)")
-    allowed_hosts: tuple[str, ...] = _opt([], "host names the Host header of a TCP request may give (a reverse proxy's public name, say); [\"*\"]: any; []: loopback names (localhost, 127.0.0.1, ::1) while host is a loopback address, else any. Others are a 403, which stops a web page re-pointing its own name at 127.0.0.1 (DNS rebinding)")
+    allowed_hosts: tuple[str, ...] = _opt([], "host names the Host header of a TCP request may give (a reverse proxy's public name, say); [\"*\"]: any; []: loopback names (localhost and *.localhost, 127.0.0.0/8, ::1) while host is a loopback address, else any. Others are a 403, which stops a web page re-pointing its own name at 127.0.0.1 (DNS rebinding)")
     sse_keepalive_interval: float = _opt(15.0, "seconds between SSE comment lines (': keep-alive') while a stream waits for its first token (queue, prefill), so that proxies with idle timeouts keep the connection; 0 disables", low=0)
-    default_max_tokens: int | None = _opt(4096, "output-token limit of a request that gives no max_tokens (capped by what the context leaves); null: the rest of the context. 4096 leaves room for a thinking model's reasoning while a forgotten max_tokens cannot run for many minutes", low=1)
+    default_max_tokens: int | None = _opt(4096, "output-token limit of a chat or /generate request that gives no max_tokens (capped by what the context and the KV cache leave; /v1/completions keeps OpenAI's 16); null: the rest of the context. 4096 leaves room for a thinking model's reasoning while a forgotten max_tokens cannot run for many minutes", low=1)
     max_tokens_cap: int | None = _opt(None, "largest max_tokens any request gets (a larger one is lowered to it); null: only the context bounds it", low=1)
     reasoning_parser: str | None = _opt("auto", "split thinking into reasoning_content and reasoning: auto (from the model's architecture and chat template; none when the template has no <think>) | none | qwen3 | qwen3_5 (null: none)", choices=("auto", "none", None, "qwen3", "qwen3_5"))
     tool_call_parser: str | None = _opt("auto", "parse tool calls into tool_calls: auto (from the model's architecture and chat template; none when the template has no <tool_call>) | none | qwen3 (alias hermes) | qwen3_5 (alias qwen3_coder) (null: none)", choices=("auto", "none", None, "qwen3", "hermes", "qwen3_5", "qwen3_coder"))
     media_dirs: tuple[str, ...] = _opt([], "folders that local image paths (absolute paths, file:// URLs) may be read from; []: none (applies at the next model load)")
     allow_remote_images: bool = _opt(False, "fetch http(s) image URLs (never loopback, link-local or multicast addresses); false: refused (applies at the next model load)")
-    remote_image_timeout: float = _opt(10.0, "seconds to connect to and download one remote image", positive=True)
-    max_image_bytes: int = _opt(12 * MIB, "largest encoded image (data URL, file or download), in bytes (12 MiB); larger: 400", low=1)
-    max_image_pixels: int = _opt(50_000_000, "most pixels (width x height) of a stored image, read from its header before decoding (the decompression-bomb guard); more: 400", low=1)
-    max_images_per_request: int = _opt(8, "most images in one request; more: 400", low=1)
+    remote_image_timeout: float = _opt(10.0, "seconds to connect to and download one remote image (applies at the next model load)", positive=True)
+    max_image_bytes: int = _opt(12 * MIB, "largest encoded image (data URL, file or download), in bytes (12 MiB; a data URL is also bounded by max_request_bytes); larger: 400 (applies at the next model load)", low=1)
+    max_image_pixels: int = _opt(50_000_000, "most pixels (width x height) of a stored image, read from its header before decoding (the decompression-bomb guard); more: 400 (applies at the next model load)", low=1)
+    max_images_per_request: int = _opt(8, "most images in one request; more: 400 (applies at the next model load)", low=1)
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -96,7 +96,7 @@ class ServerSection:
 class ModelSection:
     """The daemon-only model keys (the engine's model keys live in `EngineConfig`)."""
 
-    path: str | None = _opt(None, "model folder (or a folder name under models_dir) loaded at boot; null: start with no model")
+    path: str | None = _opt(None, "model folder (or a folder name under models_dir) loaded at boot, unless `mllmctl load-model` chose another since (the daemon's state folder records it; a changed model.path wins again); null: start with no model")
     chat_template: str | None = _opt(None, "Jinja chat template file used instead of the model's own; null: the model's (requests can never supply a template)")
     served_model_name: tuple[str, ...] | None = _opt(None, "model id in the API, or a list of aliases (the first is the primary id; requests may name any); null: the model folder's name")
     models_dir: tuple[str, ...] = _opt(["/var/lib/mllmd/models"], "folders that hold models (listed by mllmctl models; bare names resolve here)")
@@ -143,7 +143,7 @@ class TelemetrySection:
 
     enabled: bool = _opt(True, "collect device telemetry")
     interval: float = _opt(1.0, "seconds between samples", positive=True)
-    tegrastats_path: str = _opt("/usr/bin/tegrastats", "tegrastats binary (Jetson); missing: NVML or procfs")
+    tegrastats_path: str = _opt("/usr/bin/tegrastats", "tegrastats binary (Jetson; a bare name is looked up on PATH); missing: NVML or procfs")
     nvml: bool = _opt(True, "use NVML when it is available")
 
     def __post_init__(self) -> None:
@@ -154,7 +154,7 @@ class TelemetrySection:
 class LoggingSection:
     """Logging to the journal (stderr)."""
 
-    level: str = _opt("INFO", "DEBUG | INFO | WARNING | ERROR | CRITICAL", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), upper=True)
+    level: str = _opt("INFO", "DEBUG | INFO | WARNING | ERROR | CRITICAL (a reload sets the main process's at once, the workers' at the next model load)", choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), upper=True)
     format: str = _opt("text", "text | json (one JSON object per line)", choices=("text", "json"))
 
     def __post_init__(self) -> None:
@@ -408,9 +408,20 @@ class DaemonConfig:
         path = model_path if model_path is not None else self.model.path
         if path is None:
             return ()
-        if self.model.served_model_name is not None and (model_path is None or model_path == self.model.path):
+        if self.model.served_model_name is not None and (model_path is None or self._is_boot_model(model_path)):
             return self.model.served_model_name
         return (os.path.basename(os.path.normpath(os.fspath(path))),)
+
+    def _is_boot_model(self, model_path: str) -> bool:
+        """`model_path` names the folder of `model.path` (a bare name, a symlink or a trailing slash
+        in either still matches)."""
+        if self.model.path is None:
+            return False
+
+        def real(p: str) -> str:
+            return os.path.realpath(self.resolve_model_path(os.fspath(p)))
+
+        return model_path == self.model.path or real(model_path) == real(self.model.path)
 
     def check_quantization(self, detected: str | None) -> None:
         """Raise unless `model.quantization` is null or equals the checkpoint's scheme (`detected`)."""

@@ -22,11 +22,13 @@ class CORS:
 
     def __init__(self, app: Any, origins: Iterable[str]) -> None:
         self.app = app
-        self.origins = {o.rstrip("/").encode() for o in origins}
+        # origins compare case-insensitively (a browser sends its scheme and host in lower case), as
+        # browser_guard compares them
+        self.origins = {o.rstrip("/").lower().encode() for o in origins}
         self.any = b"*" in self.origins
 
     def allowed(self, origin: bytes | None) -> bool:
-        return origin is not None and (self.any or origin in self.origins)
+        return origin is not None and (self.any or origin.lower() in self.origins)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.origins:

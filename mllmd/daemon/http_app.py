@@ -98,7 +98,7 @@ class Api:
         active = self.d.active
         if active is None or not active.facts.takes_images:
             raise bad_request("images are not supported by the loaded model", "messages")
-        most = self.d.config.server.max_images_per_request
+        most = active.max_images_per_request or self.d.config.server.max_images_per_request
         if count > most:
             raise bad_request(f"{count} images in the request exceeds server.max_images_per_request={most}", "messages")
 

@@ -61,6 +61,10 @@ class BodyBudget:
         self.limit = BODIES_IN_FLIGHT * max_request_bytes
         self.used = 0
 
+    def resize(self, max_request_bytes: int) -> None:
+        """server.max_request_bytes changed (a reload): bodies already arriving keep what they hold."""
+        self.limit = BODIES_IN_FLIGHT * max_request_bytes
+
     def take(self, n: int) -> None:
         if self.used + n > self.limit:
             raise service_unavailable(f"too many large request bodies are arriving at once (more than "

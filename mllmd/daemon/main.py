@@ -61,6 +61,18 @@ LIVE_KEYS = (
     "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
     "server.default_max_tokens", "server.max_tokens_cap", "server.sse_keepalive_interval",
 )
+# Keys read when a model loads (the engine's, its workers' and the image loader's): a reload keeps the
+# new values for the next `mllmctl load-model`; the model serving now goes on with those it loaded with.
+LOAD_SECTIONS = ("scheduler", "cache", "runtime", "ipc", "workers")
+LOAD_KEYS = (
+    "model.tokenizer_path", "model.dtype", "model.context_length", "model.chat_template", "model.quantization",
+    "server.media_dirs", "server.allow_remote_images", "server.remote_image_timeout", "server.max_image_bytes",
+    "server.max_image_pixels", "server.max_images_per_request",
+)
+
+
+def applies_at_load(key: str) -> bool:
+    return key in LOAD_KEYS or key.split(".", 1)[0] in LOAD_SECTIONS
 
 
 def _state_status(states: Any) -> dict[str, Any]:
@@ -237,7 +249,7 @@ class Daemon:
             raise service_unavailable(reason or "no model is loaded")
         slot = self.active
         running = slot.engine_stats.running if slot.engine_stats is not None else 0
-        limit = self.config.server.max_queued_requests + self.config.engine.max_running_requests
+        limit = self.config.server.max_queued_requests + slot.engine.max_running_requests
         if n > limit:  # could never be admitted, however long the client waits: not a retryable 503
             what = f"n={n}" if param == "n" else f"{n} choices (prompts x n)"
             raise bad_request(
@@ -622,23 +634,42 @@ class Daemon:
         }
 
     def reload_config(self) -> dict[str, Any]:
-        """Re-read the YAML (+ environment, + the original command line); apply what can change live."""
+        """Re-read the YAML (+ environment, + the original command line, + the API key file): the keys
+        in LIVE_KEYS apply now, those read at a model load (applies_at_load) from the next load, the
+        others (listening sockets, connection limits, telemetry, the boot model) need a restart. A
+        configuration that is invalid, alone or with what is running, changes nothing (400)."""
         cli = {k: self.config.get(k) for k, src in self.config.sources.items() if str(src).startswith("command line")}
+
+        def invalid(e: Exception) -> APIError:
+            return APIError(400, f"the configuration is invalid, nothing changed: {e}", "invalid_request_error",
+                            None, "bad_config")
+
         try:
             new = load_config(self.config.config_file, cli)
         except ConfigError as e:
-            raise APIError(400, f"the configuration is invalid, nothing changed: {e}", "invalid_request_error",
-                           None, "bad_config") from None
-        changed = [k for k in new.sources.keys() | self.config.sources.keys() if new.get(k) != self.config.get(k)]
-        live = {k: new.get(k) for k in changed if k in LIVE_KEYS}
-        later = sorted(k for k in changed if k not in LIVE_KEYS)
-        if live:
-            self.config = self.config.with_values(live, source="reload")
-            if "logging.level" in live:
+            raise invalid(e) from None
+        changed = {k for k in new.sources.keys() | self.config.sources.keys() if new.get(k) != self.config.get(k)}
+        if new.api_keys != self.config.api_keys:  # the key file's lines changed, not its path
+            changed.add("server.api_key_file")
+        live = sorted(k for k in changed if k in LIVE_KEYS)
+        at_load = sorted(k for k in changed if k not in LIVE_KEYS and applies_at_load(k))
+        restart = sorted(changed - set(live) - set(at_load))
+        if live or at_load:
+            try:
+                self.config = self.config.with_values({k: new.get(k) for k in live + at_load}, source="reload")
+            except ConfigError as e:  # e.g. an API key removed while the LAN still needs one
+                raise invalid(e) from None
+            srv = self.config.server
+            self.bodies.resize(srv.max_request_bytes)
+            if self.connections is not None:
+                self.connections.body_timeout = srv.body_timeout
+            if "logging.level" in live:  # the workers take it at the next model load
                 logging.getLogger().setLevel(self.config.logging.level)
-        logger.info("reload: applied %s; needs a restart or a model load: %s", sorted(live) or "nothing", later or "nothing")
-        return {"message": f"applied {len(live)} change(s); {len(later)} need a restart or a model load",
-                "applied": sorted(live), "needs_restart": later}
+        logger.info("reload: applied %s; from the next model load %s; needs a restart: %s", live or "nothing",
+                    at_load or "nothing", restart or "nothing")
+        return {"message": f"applied {len(live)} change(s) now, {len(at_load)} from the next model load; "
+                           f"{len(restart)} need a restart",
+                "applied": live, "next_load": at_load, "needs_restart": restart}
 
     def _on_sighup(self) -> None:
         self.notifier.send("RELOADING=1")
@@ -646,8 +677,11 @@ class Daemon:
             self.reload_config()
         except APIError as e:
             logger.error("%s", e.message)
-        if self._announced_ready:  # before the first READY=1 (still loading), that one comes when ready
-            self.notifier.send("READY=1")
+        except Exception:  # never leave systemd waiting in "reloading"
+            logger.exception("reload failed")
+        finally:
+            if self._announced_ready:  # before the first READY=1 (still loading), that one comes when ready
+                self.notifier.send("READY=1")
 
     # ---- serve -------------------------------------------------------------------------------
     async def serve(self) -> int:

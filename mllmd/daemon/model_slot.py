@@ -80,6 +80,8 @@ class ModelSlot:
         self.ipc_dir = make_ipc_dir()
         self.inbox = ipc.pull(zctx, self.ipc_dir, ipc.MAIN)
         self.rm = RequestManager(zctx, str(self.ipc_dir))
+        # the image limits this model loaded with (its tokenizer worker's; a reload changes the next load's)
+        self.max_images_per_request = int(((media or {}).get("server") or {}).get("max_images_per_request") or 0)
         settings = {
             "engine": dataclasses.asdict(engine),
             "tokenizer_path": engine.tokenizer_path or engine.model_path,
@@ -161,6 +163,7 @@ class ModelSlot:
             "device": info.device,
             "context_length": info.context_length,
             "kv_cache_tokens": info.max_total_tokens,
+            "max_running_requests": self.engine.max_running_requests,
             "load_seconds": self.load_seconds,
             "takes_images": self.facts.takes_images,
             "tensor_transport": self._transport(),

@@ -78,13 +78,14 @@ class VisionPrompts:
         a CUDA mode is configured) and start the sender."""
         config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
         requested = str(ipc.get("tensor_transport_mode", "default"))
+        cuda_device = device if device.startswith("cuda") else "cuda:0"  # runtime.device "auto" on a GPU
         probe = None
         if requested != "default":
-            probe = probe_cuda_ipc(device if device.startswith("cuda") else "cuda:0")
+            probe = "the model runs on the CPU (runtime.device: cpu)" if device == "cpu" else probe_cuda_ipc(cuda_device)
         mode, line = resolve_mode(requested, probe)
         if line:
             logger.warning("%s", line)
-        sender = TensorSender(mode, device if mode != "default" else None,
+        sender = TensorSender(mode, cuda_device if mode != "default" else None,
                               pool_size_mb=int(ipc.get("cuda_ipc_pool_size_mb", 256)))
         if mode != requested and sender.fallback_reason is None:
             sender.fallback_reason = probe

@@ -259,7 +259,6 @@ def test_bad_choice(tmp_path: Path, text: str, key: str) -> None:
         ("workers:\n  max_restarts: -1\n", "workers.max_restarts"),
         ("runtime:\n  mem_fraction_static: 1.5\n", "runtime.mem_fraction_static"),
         ("scheduler:\n  max_running_requests: 0\n", "scheduler.max_running_requests"),
-        ("cache:\n  page_size: 16\n", "cache.page_size"),
     ],
 )
 def test_out_of_range(tmp_path: Path, text: str, key: str) -> None:
@@ -325,6 +324,20 @@ def test_served_model_name_aliases() -> None:
     assert load(args=["--model.path", "/m/Qwen3-8B"]).served_model_names() == ("Qwen3-8B",)
 
 
+def test_served_model_name_follows_the_boot_model_by_folder(tmp_path: Path) -> None:
+    """model.path given as a bare name (found in model.models_dir), with a trailing slash or through a
+    symlink still gets its served names when the load names the resolved folder."""
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "models" / "qwen")
+    for path in ("qwen", f"{tmp_path}/models/qwen/", f"{tmp_path}/link"):
+        cfg = load(args=["--model.path", path, "--model.models_dir", f"[{tmp_path / 'models'}]",
+                         "--model.served_model_name", "my-model"])
+        assert cfg.served_model_names(str(tmp_path / "models" / "qwen")) == ("my-model",), path
+        assert cfg.served_model_names(cfg.engine_config().model_path) == ("my-model",), path
+        (tmp_path / "models" / "other").mkdir(exist_ok=True)
+        assert cfg.served_model_names(str(tmp_path / "models" / "other")) == ("other",)
+
+
 def test_redacted(tmp_path: Path) -> None:
     cfg = load(args=["--server.api_key", "sk-live-1", "--server.admin_api_key", "adm-2"])
     red = cfg.redacted()
@@ -376,7 +389,7 @@ def test_engine_config_mapping(tmp_path: Path) -> None:
     assert eng == EngineConfig(
         model_path="/models/Qwen3-0.6B", tokenizer_path="/tok", dtype="bfloat16", context_length=4096,
         device="cpu", max_running_requests=8, max_total_tokens=10000, max_prefill_tokens=1024,
-        chunked_prefill_size=512, page_size=1, disable_radix_cache=True, attention_backend="torch",
+        chunked_prefill_size=512, disable_radix_cache=True, attention_backend="torch",
         mem_fraction_static=0.5, disable_cuda_graph=True, random_seed=7, cpu_kv_cache_max_tokens=4096,
     )
     assert cfg.engine_config("/other").model_path == "/other"

@@ -9,7 +9,7 @@ from mllmd.config import ConfigError, EngineConfig
 
 def test_defaults_are_valid() -> None:
     cfg = EngineConfig(model_path="/m")
-    assert cfg.max_running_requests > 0 and cfg.page_size == 1 and cfg.attention_backend == "auto"
+    assert cfg.max_running_requests > 0 and cfg.attention_backend == "auto"
 
 
 @pytest.mark.parametrize(
@@ -22,7 +22,6 @@ def test_defaults_are_valid() -> None:
         ({"dtype": "float64"}, "model.dtype"),
         ({"attention_backend": "cudnn"}, "runtime.attention_backend"),
         ({"mem_fraction_static": 1.5}, "runtime.mem_fraction_static"),
-        ({"page_size": 16}, "cache.page_size"),
         ({"context_length": 1}, "model.context_length"),
         ({"disable_radix_cache": "yes"}, "cache.disable_radix_cache"),
     ],

@@ -63,6 +63,14 @@ def test_cors_allowed_origin_and_wildcard() -> None:
         assert r.headers["access-control-allow-origin"] == "http://a" and r.headers["vary"] == "Origin"
 
 
+def test_cors_origins_compare_case_insensitively() -> None:
+    """An origin configured with capitals (as browser_guard's CSRF check already allows it) gets its CORS
+    headers: browsers send scheme and host in lower case."""
+    c = app(("http://WebUI.lan:8080/",))
+    r = c.post("/x", headers={"Origin": "http://webui.lan:8080"})
+    assert r.headers["access-control-allow-origin"] == "http://webui.lan:8080"
+
+
 def test_json_formatter_one_object_per_line() -> None:
     fmt = logfmt.JsonFormatter("mllmd")
     try:

@@ -301,15 +301,57 @@ def test_sighup_and_reload_apply_live_keys(models_dir: Path, tmp_path: Path) -> 
             time.sleep(0.2)
         status = json.loads(ctl(d, "status", "--json").stdout)
         assert status["config"]["server"]["port"] == d.port
-        assert status["config"]["scheduler"]["max_running_requests"] != 3  # needs a model load: not applied
-        cfg.write_text("server:\n  max_queued_requests: 11\ntelemetry:\n  interval: 2.5\n")
+        # read at a model load: the model serving keeps its value, the next load takes the new one
+        assert status["model"]["max_running_requests"] != 3
+        cfg.write_text("server:\n  max_queued_requests: 11\nscheduler:\n  max_running_requests: 3\n"
+                       "telemetry:\n  interval: 2.5\n")
         r = d.uds_http().post("/admin/reload")
         body = r.json()
         assert r.status_code == 200 and body["applied"] == ["server.max_queued_requests"]
-        assert body["needs_restart"] == ["telemetry.interval"]
+        assert body["needs_restart"] == ["telemetry.interval"] and body["next_load"] == [], body  # 3 kept from before
+        assert ctl(d, "load-model", "alpha", "--wait").returncode == 0
+        assert json.loads(ctl(d, "status", "--json").stdout)["model"]["max_running_requests"] == 3
         cfg.write_text("server:\n  max_queued_requests: -5\n")
         r = d.uds_http().post("/admin/reload")
         assert r.status_code == 400 and "max_queued_requests" in r.json()["error"]["message"]
         assert d.health()[0] == 200
+    finally:
+        stop_and_check(d)
+
+
+def test_reload_rereads_the_key_file_and_refuses_a_conflict(models_dir: Path, tmp_path: Path) -> None:
+    """Keys rotated in server.api_key_file apply at a reload (the file's path did not change); a new
+    configuration that conflicts with the rest (an API key equal to the admin key) is a 400 that changes
+    nothing, and SIGHUP survives it."""
+    import signal
+
+    keys, cfg = tmp_path / "keys", tmp_path / "mllmd.yaml"
+    keys.write_text("sk-old-key-1\n")
+    cfg.write_text(f"server:\n  api_key_file: {keys}\n  admin_api_key: sk-admin-key-1\n")
+    d = start_daemon(models_dir / "alpha", "--config", str(cfg))
+    try:
+        def models(key: str) -> int:
+            return httpx.get(f"{d.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+        assert models("sk-old-key-1") == 200 and models("sk-new-key-2") == 401
+        keys.write_text("sk-new-key-2\n")
+        cfg.write_text(f"server:\n  api_key_file: {keys}\n  admin_api_key: sk-admin-key-1\n"
+                       "  max_request_bytes: 200000\n  body_timeout: 7\n")
+        r = d.uds_http().post("/admin/reload")
+        assert r.status_code == 200, r.text
+        assert r.json()["applied"] == ["server.api_key_file", "server.body_timeout", "server.max_request_bytes"]
+        conns = json.loads(ctl(d, "status", "--json").stdout)["connections"]
+        assert conns["body_bytes_limit"] == 8 * 200000, conns  # the bodies in flight follow the new limit
+        assert models("sk-new-key-2") == 200 and models("sk-old-key-1") == 401
+        keys.write_text("sk-admin-key-1\n")  # the admin key as an API key: refused, nothing changes
+        r = d.uds_http().post("/admin/reload")
+        assert r.status_code == 400 and "admin_api_key" in r.json()["error"]["message"], r.text
+        assert models("sk-new-key-2") == 200 and models("sk-admin-key-1") == 401
+        os.kill(d.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "the configuration is invalid" not in d.log_path.read_text(errors="replace"):
+            assert time.monotonic() < deadline, d.log_tail()
+            time.sleep(0.1)
+        assert d.health()[0] == 200 and models("sk-new-key-2") == 200
     finally:
         stop_and_check(d)

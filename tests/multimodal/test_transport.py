@@ -763,3 +763,31 @@ def test_gpu_probe_finds_cuda_ipc_working():
     reason = probe_cuda_ipc("cuda:0")
     assert reason is None, reason
     assert resolve_mode("cuda_ipc_pool", reason) == ("cuda_ipc_pool", None)
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda", "cuda:1", "cpu"])
+def test_a_cuda_mode_gets_a_cuda_device_whatever_runtime_device_says(vl_source, device, monkeypatch):
+    """runtime.device "auto" (the default) reached TensorSender as torch.device("auto"), which raises:
+    every CUDA mode crashed the tokenizer worker of a vision model on a GPU. The sender gets a CUDA
+    device; with runtime.device cpu the mode falls back to default, saying why."""
+    from mllmd.workers import vision_prompts
+
+    probed, built = [], []
+
+    class Sender:
+        def __init__(self, mode, dev, pool_size_mb=0):
+            built.append((mode, dev))
+            self.mode, self.fallback_reason = mode, None
+
+    monkeypatch.setattr(vision_prompts, "probe_cuda_ipc", lambda dev: probed.append(dev))  # None: it works
+    monkeypatch.setattr(vision_prompts, "TensorSender", Sender)
+    from mllmd.daemon.config import load_config
+
+    server = load_config("/dev/null", {}).to_dict()["server"]
+    vp = vision_prompts.VisionPrompts.start(str(vl_source), server, {"tensor_transport_mode": "cuda_ipc"}, device)
+    if device == "cpu":
+        assert probed == [] and built == [("default", None)]
+        assert "runtime.device" in vp.sender.fallback_reason
+    else:
+        want = device if device.startswith("cuda") else "cuda:0"
+        assert probed == [want] and built == [("cuda_ipc", want)]
