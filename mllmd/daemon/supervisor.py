@@ -167,6 +167,12 @@ class Supervisor:
             reason = f"{h.name} worker sent no heartbeat for {now - h.last_heartbeat:.1f} s"
             h.proc.kill()
             h.proc.wait()
+        elif not h.ready and now - h.started_at > self.policy.ready_timeout:
+            # its heartbeat thread runs from the start: a load that hangs still beats
+            reason = (f"{h.name} worker did not become ready within {self.policy.ready_timeout:g} s "
+                      "(workers.ready_timeout)")
+            h.proc.kill()
+            h.proc.wait()
         else:
             return
         self._lost(h, reason, now)
