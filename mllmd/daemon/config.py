@@ -85,7 +85,8 @@ class ServerSection:
     allow_remote_images: bool = _opt(False, "fetch http(s) image URLs (never loopback, link-local or multicast addresses); false: refused (applies at the next model load)")
     remote_image_timeout: float = _opt(10.0, "seconds to connect to and download one remote image (applies at the next model load)", positive=True)
     max_image_bytes: int = _opt(12 * MIB, "largest encoded image (data URL, file or download), in bytes (12 MiB; a data URL is also bounded by max_request_bytes); larger: 400 (applies at the next model load)", low=1)
-    max_image_pixels: int = _opt(50_000_000, "most pixels (width x height) of a stored image, read from its header before decoding (the decompression-bomb guard); more: 400 (applies at the next model load)", low=1)
+    max_image_pixels: int = _opt(1024 * 32 * 32, "most pixels an image is resized to for the vision tower (smart_resize's max_pixels, never above the model's own preprocessor_config.json value, 16,777,216 = 16,384 tokens for Qwen3-VL); a larger image is scaled down, keeping its aspect ratio. 1,048,576 (1,024 tokens): a 4000x3000 photo becomes 1152x864, 972 tokens (applies at the next model load)", low=1024)
+    max_image_decode_pixels: int = _opt(50_000_000, "most pixels (width x height) of a stored image, read from its header before decoding (the decompression-bomb guard; decoding takes up to about 28 bytes a pixel, 1.4 GB at the default); more: 400 (applies at the next model load)", low=1)
     max_images_per_request: int = _opt(8, "most images in one request; more: 400 (applies at the next model load)", low=1)
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ LOAD_SECTIONS = ("scheduler", "cache", "runtime", "ipc", "workers")
 LOAD_KEYS = (
     "model.tokenizer_path", "model.dtype", "model.context_length", "model.chat_template", "model.quantization",
     "server.media_dirs", "server.allow_remote_images", "server.remote_image_timeout", "server.max_image_bytes",
-    "server.max_image_pixels", "server.max_images_per_request",
+    "server.max_image_pixels", "server.max_image_decode_pixels", "server.max_images_per_request",
 )
 
 
@@ -362,7 +362,7 @@ class Daemon:
         """The image limits and the tensor transport, for the tokenizer worker of the next load."""
         srv = self.config.server
         keys = ("media_dirs", "allow_remote_images", "remote_image_timeout", "max_image_bytes", "max_image_pixels",
-                "max_images_per_request")
+                "max_image_decode_pixels", "max_images_per_request")
         return {"server": {k: getattr(srv, k) for k in keys}, "ipc": dataclasses.asdict(self.config.ipc)}
 
     async def load_model(self, ref: str, overrides: Any) -> str:

@@ -19,15 +19,17 @@ Sources (the `url` of an OpenAI `image_url` part):
 Limits (`ImageLimits`; defaults in brackets):
   * `max_bytes` [12 MiB]: encoded bytes of one image, checked before decoding (Content-Length and the
     bytes actually read for http, the file size for paths, the base64 length for data URLs);
-  * `max_pixels` [50,000,000]: width x height of the stored image, read from its header before any pixel
-    is decoded (the decompression-bomb guard). Pillow's own guard (`Image.MAX_IMAGE_PIXELS`, raised at
-    2x that value) is reported under the same rule. This is not the model's resize cap
-    (`image_processing.DEFAULT_RESIZE_MAX_PIXELS`): an allowed image is then resized down to that;
+  * `max_pixels` [50,000,000] (`server.max_image_decode_pixels`): width x height of the stored image,
+    read from its header before any pixel is decoded (the decompression-bomb guard). Pillow's own guard
+    (`Image.MAX_IMAGE_PIXELS`, raised at 2x that value) is reported under the same rule. This is not
+    the resize cap (`server.max_image_pixels`, `image_processing.DEFAULT_RESIZE_MAX_PIXELS`): an
+    allowed image is then resized down to that;
   * `max_images` [8]: images per request (`check_image_count`);
   * `remote_timeout` [10 s]: connect/read timeout and the whole download's deadline.
-Peak memory while decoding one image is bounded by about 16 bytes x `max_pixels` (decoded pixels, an
-RGBA copy and the white background when the image has transparency): 800 MB at the default, so a
-Jetson deployment may want a lower `max_pixels`.
+Peak memory while decoding one image is bounded by about 28 bytes x `max_pixels` (decoded pixels, an
+RGBA copy, the white background when the image has transparency, a rotated copy for EXIF orientation;
+measured: 28 B/px for a lossless RGBA WebP, 24 for an RGBA PNG with EXIF rotation, 20 for RGBA alone):
+1.4 GB at the default, so a Jetson deployment may want a lower `max_pixels`.
 
 Formats: PNG, JPEG, WebP, GIF (first frame), BMP; Pillow is told to try only these decoders (never EPS,
 which would start Ghostscript, or any other plugin). An aspect ratio over 200 is refused before decoding
@@ -75,7 +77,7 @@ _READ_CHUNK = 64 * 1024
 
 # Rules: config keys for the limits a deployment sets, `image.*` tags for malformed input.
 RULE_BYTES = "server.max_image_bytes"
-RULE_PIXELS = "server.max_image_pixels"
+RULE_PIXELS = "server.max_image_decode_pixels"
 RULE_COUNT = "server.max_images_per_request"
 RULE_MEDIA_DIRS = "server.media_dirs"
 RULE_REMOTE = "server.allow_remote_images"

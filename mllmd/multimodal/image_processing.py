@@ -12,9 +12,9 @@ CLIP mean/std, 56*56 / 28*28*1280 pixels) are Qwen2-VL's and would give wrong to
 never used; Qwen3-VL's values fill only keys that a file lacks.
 
 The model's 16,384 tokens per image is far more than an edge device should spend on one picture (and
-289 MB of float32 pixel_values for a 12 MP photo), so a deployment caps it: `DEFAULT_RESIZE_MAX_PIXELS`
-= 1,048,576 pixels, at most 1,024 image tokens (a 4000x3000 photo becomes 1152x864, 972 tokens; 640x480
-stays 640x480, 300 tokens). The cap only lowers the model's max_pixels; a smaller image keeps its size up
+289 MB of float32 pixel_values for a 12 MP photo), so a deployment caps it
+(`server.max_image_pixels`, by default `DEFAULT_RESIZE_MAX_PIXELS` = 1,048,576 pixels, at most 1,024
+image tokens: a 4000x3000 photo becomes 1152x864, 972 tokens; 640x480 stays 640x480, 300 tokens). The cap only lowers the model's max_pixels; a smaller image keeps its size up
 to the model's rounding to multiples of 32 and its min_pixels (30x20 is enlarged to 320x224, 70 tokens).
 """
 

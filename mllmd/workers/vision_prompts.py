@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +25,16 @@ from mllmd.multimodal.chat import (
     VisionPrompt,
     build_vision_prompt,
     image_parts,
-    load_images,
+    load_part,
     prompt_with_images,
 )
-from mllmd.multimodal.image_io import ImageLimits
-from mllmd.multimodal.image_processing import ProcessedImage, VisionPreprocessConfig
+from mllmd.multimodal.image_io import ImageLimits, check_image_count
+from mllmd.multimodal.image_processing import (
+    DEFAULT_RESIZE_MAX_PIXELS,
+    ProcessedImage,
+    VisionPreprocessConfig,
+    process_image,
+)
 from mllmd.multimodal.prompt import VisionTokenIds
 from mllmd.multimodal.transport import TensorSender
 from mllmd.multimodal.transport_probe import probe_cuda_ipc, resolve_mode
@@ -51,12 +57,29 @@ def image_limits(server: dict[str, Any]) -> ImageLimits:
     """ImageLimits from the daemon's `server` section (as a dict: what the worker settings carry)."""
     return ImageLimits(
         max_bytes=int(server["max_image_bytes"]),
-        max_pixels=int(server["max_image_pixels"]),
+        max_pixels=int(server["max_image_decode_pixels"]),
         max_images=int(server["max_images_per_request"]),
         allow_remote=bool(server["allow_remote_images"]),
         media_dirs=tuple(server["media_dirs"]),
         remote_timeout=float(server["remote_image_timeout"]),
     )
+
+
+class ImageLoad(concurrent.futures.Future):
+    """One request's images, loading on the image thread: `cancel` also stops a load under way, before
+    its next image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop = threading.Event()
+
+    def cancel(self) -> bool:
+        self.stop.set()
+        return super().cancel()
+
+
+class ImageLoadStopped(Exception):
+    """A request's image load was cancelled between two images (its client left)."""
 
 
 @dataclass
@@ -68,6 +91,7 @@ class VisionPrompts:
     tokens: VisionTokenIds
     limits: ImageLimits
     sender: TensorSender
+    resize_max_pixels: int = DEFAULT_RESIZE_MAX_PIXELS  # server.max_image_pixels
     _images: concurrent.futures.ThreadPoolExecutor | None = field(default=None, repr=False)
     _loading: list[concurrent.futures.Future[Any]] = field(default_factory=list, repr=False)
     max_queued: int = MAX_QUEUED_IMAGE_REQUESTS
@@ -90,7 +114,7 @@ class VisionPrompts:
         if mode != requested and sender.fallback_reason is None:
             sender.fallback_reason = probe
         return cls(VisionPreprocessConfig.from_model_dir(model_path), VisionTokenIds.from_config(config),
-                   image_limits(server), sender)
+                   image_limits(server), sender, int(server["max_image_pixels"]))
 
     @property
     def mode(self) -> str:
@@ -102,20 +126,46 @@ class VisionPrompts:
     def build(self, tokenizer: Any, prompt: ChatPrompt, template_kwargs: dict[str, Any]) -> VisionPrompt:
         """The prompt with its images (ImageError naming the rule when one is refused)."""
         return build_vision_prompt(tokenizer, prompt.messages, template_kwargs, self.preprocess, self.tokens,
-                                   self.limits)
+                                   self.limits, self.resize_max_pixels)
 
     def load_later(self, prompt: ChatPrompt) -> concurrent.futures.Future[list[ProcessedImage]] | None:
-        """The prompt's images loaded and resized on the image thread (ImageError from the future): up
-        to about a second an image (a 7000x7000 PNG on a 2-core machine), time in which the worker's
-        loop serves other requests. No tokenizer is touched there. None when `max_queued` requests'
-        images are waiting or loading already (each holds its request's decoded pictures)."""
+        """The prompt's images loaded and resized on the image thread (ImageError from the future): a
+        few seconds an image at worst (a 7000x7000 RGBA PNG on a 2-core machine), time in which the
+        worker's loop serves other requests. No tokenizer is touched there. One image at a time, the
+        requests taking turns (after each image a request goes to the back of the thread's queue), so
+        that a request of 8 large images delays another's one image by at most one image each; a
+        cancelled load stops before its next image. None when `max_queued` requests' images are
+        waiting or loading already (each holds its request's decoded pictures)."""
         self._loading = [f for f in self._loading if not f.done()]
         if len(self._loading) >= self.max_queued:
             return None
         if self._images is None:
             self._images = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="images")
-        self._loading.append(self._images.submit(load_images, prompt.messages, self.preprocess, self.limits))
-        return self._loading[-1]
+        executor, parts, load = self._images, image_parts(prompt.messages), ImageLoad()
+        done: list[ProcessedImage] = []
+
+        def step(i: int) -> None:
+            if i == 0 and not load.set_running_or_notify_cancel():
+                return
+            try:
+                if load.stop.is_set():
+                    raise ImageLoadStopped("the request was given up")
+                if i == 0:
+                    check_image_count(len(parts), self.limits)
+                if i < len(parts):
+                    done.append(process_image(load_part(parts[i], self.limits, i + 1), self.preprocess,
+                                              self.resize_max_pixels))
+                if i + 1 < len(parts):
+                    executor.submit(step, i + 1)  # to the back of the queue: the next request's turn
+                    return
+            except BaseException as e:  # an ImageError for the client, or the executor shut down
+                load.set_exception(e)
+                return
+            load.set_result(done)
+
+        executor.submit(step, 0)
+        self._loading.append(load)
+        return load
 
     def prompt(self, tokenizer: Any, prompt: ChatPrompt, template_kwargs: dict[str, Any],
                images: list[ProcessedImage], encode: Callable[[str], list[int]] | None = None) -> VisionPrompt:

@@ -285,11 +285,11 @@ def test_the_image_thread_queue_is_bounded(parts, monkeypatch: pytest.MonkeyPatc
     release = threading.Event()
     vision = vp.VisionPrompts(None, None, ImageLimits(), None, max_queued=2)  # type: ignore[arg-type]
 
-    def held(*args: Any) -> list:
+    def held(*args: Any) -> None:
         release.wait(10)
-        return []
 
-    monkeypatch.setattr(vp, "load_images", held)
+    monkeypatch.setattr(vp, "load_part", held)
+    monkeypatch.setattr(vp, "process_image", lambda *args: None)
     try:
         wctx, sched, parked = _Wctx(), _Socket(), []
         image_msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]

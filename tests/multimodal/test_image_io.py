@@ -125,15 +125,15 @@ def test_truncated_files_are_refused(fmt: str) -> None:
 def test_decompression_bomb_is_refused_from_the_header() -> None:
     # The headers claim 64 MP (above our 50 MP default) and 10^10 px (above Pillow's own 2x guard); the
     # data holds one pixel, so refusing for pixels (not for truncation) shows no pixel was decoded.
-    err = refused(data_url(png_with_size(8000, 8000)), rule="server.max_image_pixels")
-    assert "64000000 pixels exceeds server.max_image_pixels=50000000" in str(err)
-    err = refused(data_url(png_with_size(100_000, 100_000)), rule="server.max_image_pixels")
+    err = refused(data_url(png_with_size(8000, 8000)), rule="server.max_image_decode_pixels")
+    assert "64000000 pixels exceeds server.max_image_decode_pixels=50000000" in str(err)
+    err = refused(data_url(png_with_size(100_000, 100_000)), rule="server.max_image_decode_pixels")
     # Pillow's guard fired first: the message still gives our limit, not Pillow's own.
-    assert str(err) == "image 3: 10000000000 pixels exceeds server.max_image_pixels=50000000", str(err)
+    assert str(err) == "image 3: 10000000000 pixels exceeds server.max_image_decode_pixels=50000000", str(err)
     refused(
         data_url(encode(random_rgb(20, 20), "PNG")),
         ImageLimits(max_pixels=399),
-        rule="server.max_image_pixels",
+        rule="server.max_image_decode_pixels",
     )
     assert load_image(data_url(encode(random_rgb(20, 20), "PNG")), ImageLimits(max_pixels=400)).size == (
         20,
