@@ -210,7 +210,7 @@ class Api:
         states: list[Any] = []
         try:
             for i, prompt in enumerate(req.prompts):
-                states += await self._submit(request, _prompt(prompt), req, n, "prompt",
+                states += await self._submit(request, _prompt(prompt), req, n, batch_param,
                                              alias=aliases[i] if aliases else None)
         except BaseException:
             for s in states:

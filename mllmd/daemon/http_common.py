@@ -80,7 +80,8 @@ async def read_body(request: Request, limit: int, timeout: float, budget: BodyBu
     the bodies arriving together stay within `budget` (503)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise payload_too_large(f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+        raise payload_too_large(f"request body of {declared} bytes exceeds the limit of {limit} bytes "
+                                "(server.max_request_bytes)")
     held = 0
 
     async def collect() -> bytes:
@@ -92,7 +93,7 @@ async def read_body(request: Request, limit: int, timeout: float, budget: BodyBu
                 held += len(chunk)
             body += chunk
             if len(body) > limit:
-                raise payload_too_large(f"request body exceeds the limit of {limit} bytes")
+                raise payload_too_large(f"request body exceeds the limit of {limit} bytes (server.max_request_bytes)")
         return bytes(body)
 
     try:

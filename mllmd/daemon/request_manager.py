@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -54,6 +55,7 @@ class RequestState:
     owner: Any = None  # the RequestManager (of one model slot) that holds this request
     alias: str | None = None  # the client's own id for it (native /generate's `rid`), unique while in flight
     last: TextOutput | None = None  # the latest output delivered (its token counts end an admin abort)
+    prompt_param: str = "prompt"  # the request field that holds its prompt (messages, prompt, text, input_ids)
 
 
 class RequestManager:
@@ -102,7 +104,7 @@ class RequestManager:
             except InvalidSamplingParam as e:
                 raise bad_request(str(e), e.param) from None
             direct = choice_params(dataclasses.replace(params, max_tokens=max_tokens), n)
-        states = [RequestState(rid, group, owner=self, alias=alias) for rid in rids]
+        states = [RequestState(rid, group, owner=self, alias=alias, prompt_param=prompt_param) for rid in rids]
         for s in states:
             self.reqs[s.rid] = s
         self.groups[group] = rids
@@ -212,7 +214,9 @@ class RequestManager:
             for r in list(self.groups.get(msg.rid, [msg.rid])):
                 state = self._drop(r)
                 if state is not None:
-                    state.queue.put_nowait(msg)
+                    # the engine blames "prompt" for whatever field held the request's prompt
+                    fixed = msg if msg.param != "prompt" else msgspec.structs.replace(msg, param=state.prompt_param)
+                    state.queue.put_nowait(fixed)
         return stale
 
     def fail_all(self, message: str) -> None:

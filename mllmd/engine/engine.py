@@ -140,6 +140,9 @@ class Engine:
                 f"exceeds the KV cache of {self.runner.max_total_tokens} tokens",
                 "max_tokens",
             )
+        if info.video_token_id is not None and info.video_token_id in prompt_ids:
+            raise AdmissionError(f"the prompt holds video placeholder tokens ({info.video_token_id}): videos are "
+                                 "not supported", "prompt")
         mrope = check_images(prompt_ids, images or [], info.image_token_id, info.spatial_merge_size)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Req(rid=rid, prompt_ids=list(prompt_ids), params=params, seed=seed & SEED_MASK, images=list(images or []))
@@ -493,17 +496,17 @@ def check_images(
                 i += 1
     if not images:
         if runs:
-            raise AdmissionError(f"the prompt holds {len(runs)} image placeholder runs but no image", "messages")
+            raise AdmissionError(f"the prompt holds {len(runs)} image placeholder runs but no image", "prompt")
         return None
     if image_token_id is None:
-        raise AdmissionError("the loaded model does not take images", "messages")
+        raise AdmissionError("the loaded model does not take images", "prompt")
     got = [(im.start, im.end) for im in images]
     if got != runs:
-        raise AdmissionError(f"the images cover prompt tokens {got} but the image tokens are at {runs}", "messages")
+        raise AdmissionError(f"the images cover prompt tokens {got} but the image tokens are at {runs}", "prompt")
     for k, im in enumerate(images):
         t, h, w = im.grid_thw
         if t * h * w != im.num_tokens * merge * merge:
-            raise AdmissionError(f"image {k + 1}: a {t}x{h}x{w} grid is not {im.num_tokens} image tokens", "messages")
+            raise AdmissionError(f"image {k + 1}: a {t}x{h}x{w} grid is not {im.num_tokens} image tokens", "prompt")
     from mllmd.models.mrope import mrope_positions
 
     types = [0] * len(prompt_ids)

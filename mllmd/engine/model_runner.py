@@ -60,6 +60,7 @@ class ModelInfo:
     weight_bytes: int  # bytes of the stored weights (quantized tensors as stored, not dequantized copies)
     quantization: str | None = None  # "w8a8" | "w4a16" (compressed-tensors) | None
     image_token_id: int | None = None  # vision-language models: the token an image's positions hold
+    video_token_id: int | None = None  # and a video's (videos are not supported: refused in a prompt)
     spatial_merge_size: int = 2  # patches per image token along each side
 
 
@@ -162,6 +163,7 @@ class ModelRunner:
             weight_bytes=weight_bytes,
             quantization=quant_config.method if quant_config is not None else None,
             image_token_id=getattr(self.model, "image_token_id", None),
+            video_token_id=getattr(hf_config, "video_token_id", None) if hasattr(self.model, "encode_images") else None,
             spatial_merge_size=int(getattr(getattr(hf_config, "vision_config", None), "spatial_merge_size", 2)),
         )
         self.vision: VisionRunner | None = None

@@ -178,6 +178,10 @@ def _decode_data_url(url: str, limits: ImageLimits, where: str) -> bytes:
     if not comma:
         raise ImageError(f"{where}malformed data URL: no ',' before the data ({RULE_URL})", RULE_URL)
     params = [p.strip().lower() for p in header.split(";")]
+    if params[0] and not params[0].startswith("image/") and params[0] != "application/octet-stream":
+        shown = params[0] if len(params[0]) <= 64 else params[0][:61] + "..."
+        raise ImageError(f"{where}a data URL of type {shown!r} is not an image: expected image/png, image/jpeg, "
+                         f"image/webp, image/gif or image/bmp ({RULE_URL})", RULE_URL)
     if "base64" not in params[1:]:
         raise ImageError(f"{where}data URLs must be base64-encoded (';base64,') ({RULE_BASE64})", RULE_BASE64)
     return decode_base64(payload, limits, where=where)
@@ -221,7 +225,7 @@ def _read_local(path_text: str, limits: ImageLimits, where: str) -> bytes:
     )
     try:
         real = path.resolve(strict=True)
-    except (OSError, RuntimeError):  # missing, a symlink loop, unreadable
+    except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, unreadable, a NUL in the path
         raise refused from None
     roots = [Path(os.path.realpath(d)) for d in limits.media_dirs]
     if not any(real == root or real.is_relative_to(root) for root in roots):

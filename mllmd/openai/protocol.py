@@ -286,6 +286,10 @@ def _parse_content(o: JsonFields, role: str) -> str | list[dict[str, Any]] | Non
                 raise po.err(
                     "type", f"'image_url' parts are only allowed in user messages (role is '{role}')"
                 )
+            if isinstance(po.raw("image_url", True), str):  # {"image_url": "data:..."}: vLLM's short form
+                url = po.get_str("image_url", required=True, allow_empty=False)
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+                continue
             io = po.get_obj("image_url", required=True)
             assert io is not None
             image: dict[str, Any] = {"url": io.get_str("url", required=True, allow_empty=False)}
@@ -660,9 +664,15 @@ def _read_rids(o: JsonFields, is_batch: bool, size: int) -> list[str] | None:
     return rids
 
 
+# SGLang's /generate media fields: refused by name (ignoring them would answer about a prompt without its images)
+GENERATE_MEDIA_KEYS = ("image_data", "video_data", "audio_data", "input_embeds")
+
+
 def parse_generate_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> GenerateRequest:
     """Validate a native /generate body (SGLang-style ``text``/``input_ids`` + ``sampling_params``)."""
     o = JsonFields(body)
+    o.refuse({key: "is not supported on /generate: send images in image_url parts to /v1/chat/completions"
+              for key in GENERATE_MEDIA_KEYS})
     has_text, has_ids = o.raw("text") is not None, o.raw("input_ids") is not None
     if has_text == has_ids:
         raise o.err("text", "or 'input_ids' is required (exactly one of them)")

@@ -146,6 +146,43 @@ def test_refusals_name_the_rule(daemon: DaemonProc, media: tuple[Path, Path]) ->
     assert greedy(client, chat(ok)).choices[0].finish_reason == "length", "the daemon still serves"
 
 
+def test_short_forms_types_and_odd_paths(daemon: DaemonProc, offline: Any, media: tuple[Path, Path]) -> None:
+    """image_url as a plain string (vLLM's short form) is the same image; a data URL must say an image
+    type (or none, or application/octet-stream); a path with a NUL is a media_dirs refusal, not a
+    "could not build the prompt"."""
+    client = daemon.openai()
+    raw = png(smooth(64, 48, 1))
+    want, _ = offline_text(offline, chat(data_url(raw)))
+    short = [{"role": "user", "content": [{"type": "image_url", "image_url": data_url(raw)},
+                                          {"type": "text", "text": "What is in the picture?"}]}]
+    assert greedy(client, short).choices[0].message.content == want
+    for kind in ("", "application/octet-stream", "image/jpeg"):  # the bytes say what the image is
+        url = f"data:{kind};base64," + base64.b64encode(raw).decode()
+        assert greedy(client, chat(url)).choices[0].message.content == want, kind
+    err = refusal(client, chat("data:text/plain;base64," + base64.b64encode(raw).decode()))
+    assert "image.url" in err and "text/plain" in err
+    for url in (str(media[0] / "a.png") + "\x00x", "file://" + str(media[0] / "a.png") + "%00x"):
+        assert "server.media_dirs" in refusal(client, chat(url)), url
+
+
+def test_placeholders_in_token_prompts_name_their_field(daemon: DaemonProc) -> None:
+    """Image or video pad tokens in a token-id prompt (no images can come with one) are a 400 naming
+    the field that held the prompt; /generate's image_data is refused by name, not ignored."""
+    import httpx
+
+    image_pad, video_pad, start, end = 151655, 151656, 151652, 151653
+    h = httpx.Client(base_url=daemon.base_url, timeout=60)
+    for ids in ([start, image_pad, image_pad, end, 9707], [start, video_pad, video_pad, end, 9707]):
+        r = h.post("/v1/completions", json={"model": "tiny-qwen3-vl", "prompt": ids, "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        r = h.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_ids", r.text
+    assert "video" in r.json()["error"]["message"]
+    r = h.post("/generate", json={"text": "hi", "image_data": data_url(png(smooth(16, 16, 4))),
+                                  "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "image_data", r.text
+
+
 def test_status_names_the_transport_and_no_segment_is_left(daemon: DaemonProc) -> None:
     with daemon.uds_http() as c:
         model = c.get("/admin/status").json()["model"]
