@@ -41,6 +41,18 @@ def image_parts(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+LOW_DETAIL_MAX_PIXELS = 512 * 512  # an image_url with "detail": "low": at most 256 tokens (OpenAI's low is 512x512)
+
+
+def part_max_pixels(part: dict[str, Any], max_image_pixels: int | None) -> int | None:
+    """The resize cap of one image part: `detail: "low"` lowers it to LOW_DETAIL_MAX_PIXELS; "high" and
+    "auto" keep the deployment's."""
+    url = part.get("image_url")
+    if isinstance(url, dict) and url.get("detail") == "low":
+        return LOW_DETAIL_MAX_PIXELS if max_image_pixels is None else min(max_image_pixels, LOW_DETAIL_MAX_PIXELS)
+    return max_image_pixels
+
+
 def load_part(part: dict[str, Any], limits: ImageLimits, index: int) -> Any:
     """A decoded RGB PIL image for one image part."""
     if part.get("type") == "image":
@@ -74,7 +86,8 @@ def load_images(
     no tokenizer: it may run on a thread of its own."""
     parts = image_parts(messages)
     check_image_count(len(parts), limits)
-    return [process_image(load_part(part, limits, i + 1), preprocess, max_image_pixels) for i, part in enumerate(parts)]
+    return [process_image(load_part(part, limits, i + 1), preprocess, part_max_pixels(part, max_image_pixels))
+            for i, part in enumerate(parts)]
 
 
 def prompt_with_images(

@@ -26,6 +26,7 @@ from mllmd.multimodal.chat import (
     build_vision_prompt,
     image_parts,
     load_part,
+    part_max_pixels,
     prompt_with_images,
 )
 from mllmd.multimodal.image_io import ImageLimits, check_image_count
@@ -154,7 +155,7 @@ class VisionPrompts:
                     check_image_count(len(parts), self.limits)
                 if i < len(parts):
                     done.append(process_image(load_part(parts[i], self.limits, i + 1), self.preprocess,
-                                              self.resize_max_pixels))
+                                              part_max_pixels(parts[i], self.resize_max_pixels)))
                 if i + 1 < len(parts):
                     executor.submit(step, i + 1)  # to the back of the queue: the next request's turn
                     return

@@ -98,3 +98,17 @@ def test_max_image_pixels_is_the_resize_cap(vl_source: Path, cap: int | None, to
         assert [im.num_tokens for im in load.result(60)] == [tokens]
     finally:
         vp.close()
+
+
+@pytest.mark.parametrize(("detail", "tokens"), [(None, 972), ("auto", 972), ("high", 972), ("low", 234)])
+def test_detail_low_caps_an_image_at_256_tokens(vl_source: Path, detail: str | None, tokens: int) -> None:
+    vp = start(vl_source)
+    try:
+        part: dict[str, Any] = {"url": url(2000, 1500)}
+        if detail is not None:
+            part["detail"] = detail
+        load = vp.load_later(ChatPrompt([{"role": "user", "content": [{"type": "image_url", "image_url": part}]}]))
+        assert load is not None
+        assert [im.num_tokens for im in load.result(60)] == [tokens]
+    finally:
+        vp.close()
