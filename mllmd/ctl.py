@@ -139,12 +139,15 @@ def render_models(r: dict[str, Any]) -> str:
     cells = [("NAME", "ARCHITECTURE", "PARAMS", "DTYPE", "QUANT", "SIZE")]
     for m in rows:
         params = m.get("parameters")
-        cells.append((str(m["name"]), str(m.get("architecture") or "?"), f"{params / 1e9:.2f}B" if params else "?",
-                      str(m.get("dtype") or "?"), str(m.get("quantization") or "-"), _fmt_bytes(m.get("size_bytes"))))
+        cells.append((str(m["name"]), str(m.get("architecture") or "-"), f"{params / 1e9:.2f}B" if params else "-",
+                      str(m.get("dtype") or "-"), str(m.get("quantization") or "-"), _fmt_bytes(m.get("size_bytes"))))
     widths = [max(len(row[i]) for row in cells) for i in range(6)]
     right = (False, False, True, False, False, True)  # numbers right-aligned
-    return "\n".join("  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)).rstrip()
-                     for row in cells)
+    lines = ["  ".join(c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)).rstrip() for row in cells]
+    broken = [m for m in rows if m.get("error")]  # listed, but not loadable: say why under the table
+    if broken:
+        lines += ["", "not loadable:"] + [f"  {m['name']}: {m['error']}" for m in broken]
+    return "\n".join(lines)
 
 
 def _progress(client: Client, timeout: float) -> dict[str, Any]:

@@ -178,9 +178,16 @@ def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]
                     continue
                 if not (sub / "config.json").is_file():
                     continue
-                facts = inspect_model(sub).to_dict()
-                check_tokenizer(sub)
-                out.append(facts | {"error": None})
+                facts = inspect_model(sub)
+                error = None
+                try:
+                    if facts.architecture not in SUPPORTED_ARCHITECTURES:
+                        raise ModelError(f"unsupported architecture {facts.architecture!r} (supported: "
+                                         f"{', '.join(SUPPORTED_ARCHITECTURES)})")
+                    check_tokenizer(sub)
+                except ModelError as e:  # what could be read is still shown, with why it cannot load
+                    error = str(e)
+                out.append(facts.to_dict() | {"error": error})
             except ModelError as e:
                 out.append({"name": sub.name, "path": str(sub), "error": str(e)})
             except (OSError, ValueError, RuntimeError) as e:  # unreadable, a link loop

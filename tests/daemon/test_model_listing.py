@@ -51,3 +51,22 @@ def test_the_table_stays_aligned_with_long_names() -> None:
             assert line[start:start + len(cell)] == cell, (column, lines)
     ends = {len(line) for line in lines}  # SIZE is right-aligned and last
     assert len(ends) == 1, lines
+
+
+def test_folders_that_cannot_load_say_why(tmp_path: Path) -> None:
+    """A folder with an architecture mllmd does not serve, or without a tokenizer, is listed with what
+    could be read and the reason it cannot load (the table printed `? ? ?` and no reason before)."""
+    from mllmd.daemon.models import find_models
+
+    _folder(tmp_path / "llama", {"architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16"}, torch.bfloat16)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{not json")
+    rows = {r["name"]: r for r in find_models([str(tmp_path)])}
+    assert set(rows) == {"llama", "empty"}
+    assert rows["llama"]["architecture"] == "LlamaForCausalLM" and rows["llama"]["dtype"] == "bfloat16"
+    assert "unsupported architecture 'LlamaForCausalLM'" in rows["llama"]["error"], rows["llama"]
+    assert "config.json" in rows["empty"]["error"]
+    text = render_models({"models": list(rows.values())})
+    assert "?" not in text
+    tail = text.split("not loadable:")[1]
+    assert "llama: unsupported architecture" in tail and "empty:" in tail and "config.json" in tail
