@@ -48,6 +48,7 @@ import binascii
 import http.client
 import io
 import ipaddress
+import logging
 import os
 import re
 import socket
@@ -76,6 +77,8 @@ ALLOWED_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 _READ_CHUNK = 64 * 1024
 
 # Rules: config keys for the limits a deployment sets, `image.*` tags for malformed input.
+logger = logging.getLogger("mllmd.images")
+
 RULE_BYTES = "server.max_image_bytes"
 RULE_PIXELS = "server.max_image_decode_pixels"
 RULE_COUNT = "server.max_images_per_request"
@@ -300,10 +303,10 @@ def resolve_remote_host(host: str, port: int, *, where: str = "image: ") -> str:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
-        raise ImageError(f"{where}cannot resolve host {host!r}: {exc} ({RULE_FETCH})", RULE_FETCH) from None
+        raise _unfetched(where, host, port, f"cannot resolve the host: {exc}") from None
     addresses = [str(info[4][0]) for info in infos]
     if not addresses:
-        raise ImageError(f"{where}host {host!r} has no address ({RULE_FETCH})", RULE_FETCH)
+        raise _unfetched(where, host, port, "the host has no address")
     for text in addresses:
         why = _address_refusal(ipaddress.ip_address(text))
         if why is not None:
@@ -371,32 +374,24 @@ def _fetch_remote(url: str, limits: ImageLimits, where: str) -> bytes:
             if response.status in (301, 302, 303, 307, 308):
                 location = response.getheader("Location")
                 if not location:
-                    raise ImageError(
-                        f"{where}redirect without a Location from {parts.hostname} ({RULE_FETCH})", RULE_FETCH
-                    )
+                    raise _unfetched(where, parts.hostname, port, "a redirect without a Location")
                 url = urljoin(url, location)
                 continue
             if response.status != 200:
-                raise ImageError(
-                    f"{where}{parts.hostname} answered HTTP {response.status} {response.reason} ({RULE_FETCH})",
-                    RULE_FETCH,
-                )
+                raise _unfetched(where, parts.hostname, port, f"HTTP {response.status} {response.reason}")
             data = _read_capped(response, limits, deadline, where)
             if time.monotonic() >= deadline:  # the watchdog cut it: what was read is not the whole image
-                raise _too_slow(where, limits)
+                raise _unfetched(where, parts.hostname, port, f"the download took longer than {limits.remote_timeout:g} s")
             return data
         except (OSError, http.client.HTTPException) as exc:
-            if time.monotonic() >= deadline:
-                raise _too_slow(where, limits) from None
-            raise ImageError(
-                f"{where}fetching the image from {parts.hostname} failed: {exc} ({RULE_FETCH})", RULE_FETCH
-            ) from None
+            why = f"the download took longer than {limits.remote_timeout:g} s" if time.monotonic() >= deadline else str(exc)
+            raise _unfetched(where, parts.hostname, port, why) from None
         finally:
             watchdog.cancel()
             if response is not None:
                 response.close()
             conn.close()
-    raise ImageError(f"{where}more than {MAX_REDIRECTS} redirects ({RULE_FETCH})", RULE_FETCH)
+    raise _unfetched(where, urlsplit(url).hostname or "?", 0, f"more than {MAX_REDIRECTS} redirects")
 
 
 def _shut(conn: http.client.HTTPConnection) -> None:
@@ -409,8 +404,13 @@ def _shut(conn: http.client.HTTPConnection) -> None:
             pass
 
 
-def _too_slow(where: str, limits: ImageLimits) -> ImageError:
-    return ImageError(f"{where}the download took longer than {limits.remote_timeout:g} s ({RULE_FETCH})", RULE_FETCH)
+def _unfetched(where: str, host: str, port: int, why: str) -> ImageError:
+    """A remote image that could not be fetched. The client learns only that: whether the host does not
+    resolve, refuses the connection, times out or answers 404 would map the LAN's hosts and ports for
+    whoever may send image URLs. The reason goes to the log, for the administrator."""
+    logger.info("a remote image from %r port %d could not be fetched: %s", host[:253], port, why[:300])
+    return ImageError(f"{where}the image could not be fetched from {host[:253]!r} ({RULE_FETCH}; the server's log "
+                      "says why)", RULE_FETCH)
 
 
 def _read_capped(
@@ -423,7 +423,7 @@ def _read_capped(
     total = 0
     while True:
         if time.monotonic() > deadline:
-            raise _too_slow(where, limits)
+            raise TimeoutError("past the download deadline")  # _fetch_remote reports it
         chunk = response.read1(_READ_CHUNK)
         if not chunk:
             return b"".join(chunks)
