@@ -649,7 +649,7 @@ class Daemon:
         except ConfigError as e:
             raise invalid(e) from None
         changed = {k for k in new.sources.keys() | self.config.sources.keys() if new.get(k) != self.config.get(k)}
-        if new.api_keys != self.config.api_keys:  # the key file's lines changed, not its path
+        if new.api_keys != self.config.api_keys and "server.api_key" not in changed:  # the key file's lines
             changed.add("server.api_key_file")
         live = sorted(k for k in changed if k in LIVE_KEYS)
         at_load = sorted(k for k in changed if k not in LIVE_KEYS and applies_at_load(k))
