@@ -32,6 +32,8 @@ decode step 10-200 ms:
 - ``mllmd_request_prefill_time_seconds``: that step to the first output token (``TTFT_BUCKETS``)
 - ``mllmd_request_decode_time_seconds``: first token to finish (``E2E_BUCKETS``)
 - ``mllmd_model_load_seconds``: 0.5 s .. 1 h (``LOAD_BUCKETS``)
+- ``mllmd_request_prompt_tokens`` / ``mllmd_request_generation_tokens``: tokens of each finished
+  request's prompt / output, 1 .. 200,000 (``TOKEN_BUCKETS``)
 - ``mllmd_first_token_hop_seconds{hop}``: 0.1 ms .. 5 min (``HOP_BUCKETS``), a new request's way to
   its first token in ``FIRST_TOKEN_HOPS`` (from the processes' stamps, ``FirstTokenTimes``)
 
@@ -92,6 +94,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.
                1800.0, 3600.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
                  300.0, 600.0)
+# tokens of one request's prompt / output (vLLM's 1-2-5 series up to the longest context mllmd serves)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0, 1800.0, 3600.0)
 HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                5.0, 10.0, 30.0, 60.0, 300.0)
@@ -237,6 +241,11 @@ class Metrics:
         self.worker_restarts = Counter("mllmd_worker_restarts_total", "Worker restarts", ("worker",), registry=r)
         self.ttft = Histogram("mllmd_time_to_first_token_seconds", "Time to first token", MODEL, buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("mllmd_inter_token_latency_seconds", "Time between output tokens", MODEL, buckets=ITL_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("mllmd_request_prompt_tokens", "Prompt tokens of each finished request",
+                                               MODEL, buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("mllmd_request_generation_tokens",
+                                                   "Generated tokens of each finished request", MODEL,
+                                                   buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("mllmd_e2e_request_latency_seconds", "Request latency, arrival to finish", MODEL, buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("mllmd_request_queue_time_seconds", "Time waiting for the scheduler", MODEL, buckets=QUEUE_BUCKETS, registry=r)
         self.prefill_time = Histogram("mllmd_request_prefill_time_seconds", "Time from admission to the first token",
@@ -271,7 +280,7 @@ class Metrics:
         before the first request."""
         for metric in (self.prompt_tokens, self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
                        self.preemptions, self.ttft, self.itl, self.e2e, self.queue_time, self.prefill_time,
-                       self.decode_time):
+                       self.decode_time, self.request_prompt_tokens, self.request_generation_tokens):
             metric.labels(name)
         for reason in FINISH_REASONS:
             self.request_success.labels(name, reason)
@@ -354,6 +363,8 @@ class Metrics:
         self.generation_tokens.labels(name).inc(max(completion_tokens, 0))
         self.prefix_cache_queries.labels(name).inc(max(prompt_tokens, 0))
         self.prefix_cache_hits.labels(name).inc(min(max(cached_tokens, 0), max(prompt_tokens, 0)))
+        self.request_prompt_tokens.labels(name).observe(max(prompt_tokens, 0))
+        self.request_generation_tokens.labels(name).observe(max(completion_tokens, 0))
         if arrival is not None and first_token is not None and first_token >= arrival:
             self.ttft.labels(name).observe(first_token - arrival)
         if arrival is not None and finished is not None and finished >= arrival:

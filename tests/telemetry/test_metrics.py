@@ -43,6 +43,8 @@ SERVING = {
     "mllmd_time_to_first_token_seconds": "histogram",
     "mllmd_inter_token_latency_seconds": "histogram",
     "mllmd_e2e_request_latency_seconds": "histogram",
+    "mllmd_request_prompt_tokens": "histogram",
+    "mllmd_request_generation_tokens": "histogram",
     "mllmd_request_queue_time_seconds": "histogram",
     "mllmd_model_load_seconds": "histogram",
     "mllmd_first_token_hop_seconds": "histogram",
@@ -253,6 +255,9 @@ def test_on_output_observes_finished_requests() -> None:
     assert get(m, "mllmd_time_to_first_token_seconds_sum", **MODEL) == pytest.approx(0.3)
     assert get(m, "mllmd_inter_token_latency_seconds_count", **MODEL) == 2
     assert get(m, "mllmd_e2e_request_latency_seconds_sum", **MODEL) == pytest.approx(0.4)
+    assert get(m, "mllmd_request_prompt_tokens_sum", **MODEL) == 12
+    assert get(m, "mllmd_request_generation_tokens_bucket", le="5.0", **MODEL) == 1
+    assert get(m, "mllmd_request_generation_tokens_bucket", le="2.0", **MODEL) == 0
     m.on_output("r2", output("r2", completion_tokens=1), arrival=0.0, now=1.0)
     m.forget("r2")
     assert not m._timelines
