@@ -155,6 +155,7 @@ class TokenizeOnly(_Message, frozen=True):
     prompt: ChatPrompt | TextPrompt | None = None
     ids: list[int] = []
     add_generation_prompt: bool = True
+    batch: list[list[int]] = []  # with `prompt` None: decode each of these (answered in `texts`), not `ids`
 
 
 class TokenizeResult(_Message, frozen=True):
@@ -165,6 +166,7 @@ class TokenizeResult(_Message, frozen=True):
     ids: list[int] = []
     text: str = ""
     error: str | None = None
+    texts: list[str] = []  # a batch's texts, in order
     unavailable: bool = False
 
 

@@ -360,14 +360,14 @@ class Api:
 
     async def _echo_texts(self, prompts: list[str | list[int]], n: int) -> list[str]:
         """Each choice's prompt as `echo` returns it: a prompt of token ids as the tokenizer decodes it
-        (one /detokenize job each, in turn: the jobs queue answers a burst with 503s)."""
-        slot = self.d.serving_slot(1) if any(not isinstance(p, str) for p in prompts) else None
-        texts = []
-        for p in prompts:
-            if not isinstance(p, str):
-                p = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, list(p)))).text
-            texts += [p] * n
-        return texts
+        (all of a request's in one /detokenize job)."""
+        ids = [list(p) for p in prompts if not isinstance(p, str)]
+        decoded: list[str] = []
+        if ids:
+            slot = self.d.serving_slot(1)
+            decoded = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, batch=ids))).texts
+        it = iter(decoded)
+        return [text for p in prompts for text in [p if isinstance(p, str) else next(it)] * n]
 
     async def _tokenizer(self, slot: Any, msg: TokenizeOnly) -> Any:
         result = await slot.tokenize_only(msg)
