@@ -121,6 +121,11 @@ def render_status(s: dict[str, Any]) -> str:
     kv = s.get("kv_cache") or {}
     if kv:
         lines.append(f"kv cache: {100 * (kv.get('usage_ratio') or 0):.1f}% used of {kv.get('total_tokens')} tokens")
+    st = s.get("state_cache") or {}
+    if st:  # hybrid models (Qwen3.5): recurrent-state slots beside the KV cache
+        lines.append(f"states:   {st.get('request_slots')} held by requests, {st.get('snapshot_slots')} snapshots, "
+                     f"{st.get('free_slots')} free of {st.get('total_slots')} slots "
+                     f"({_fmt_bytes(st.get('bytes_per_slot'))} each)")
     mem = s.get("memory") or {}
     if mem:
         lines.append(f"memory:   {_fmt_bytes(mem.get('used_bytes'))} used of {_fmt_bytes(mem.get('total_bytes'))}")

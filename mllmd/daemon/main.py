@@ -248,13 +248,18 @@ class Daemon:
         if reason is not None or self.active is None:
             raise service_unavailable(reason or "no model is loaded")
         slot = self.active
-        running = slot.engine_stats.running if slot.engine_stats is not None else 0
-        limit = self.config.server.max_queued_requests + slot.engine.max_running_requests
+        stats = slot.engine_stats
+        running = stats.running if stats is not None else 0
+        # what can run at once: max_running_requests, and for a hybrid model its recurrent-state slots
+        runnable, what_runs = slot.engine.max_running_requests, "scheduler.max_running_requests"
+        if stats is not None and stats.states is not None and 0 < stats.states.total < runnable:
+            runnable, what_runs = stats.states.total, "the recurrent-state slots (cache.state_slots)"
+        limit = self.config.server.max_queued_requests + runnable
         if n > limit:  # could never be admitted, however long the client waits: not a retryable 503
             what = f"n={n}" if param == "n" else f"{n} choices (prompts x n)"
             raise bad_request(
                 f"{what} exceeds what this server can hold at once ({limit} requests: "
-                f"server.max_queued_requests + scheduler.max_running_requests)",
+                f"server.max_queued_requests + {what_runs})",
                 param,
             )
         if slot.rm.num_in_flight + n > limit:

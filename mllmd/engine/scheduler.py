@@ -161,12 +161,20 @@ class Scheduler:
             for slot in slots:
                 self.state_pool.free(slot)
 
-    def _alloc_state(self) -> int | None:
-        """A free state slot, giving up the prefix cache's least recently used snapshot if need be."""
+    def _alloc_state(self, reclaim: bool = False) -> int | None:
+        """A free state slot, giving up the prefix cache's least recently used snapshot if need be, and
+        with `reclaim` (a request's own state) a snapshot a running request took while prefilling:
+        those are cache material, and one long prompt's (a 32K prompt takes 64 at the default
+        interval) must not keep the next request waiting until it finishes."""
         assert self.state_pool is not None
         slot = self.state_pool.alloc()
         if slot is None and isinstance(self.cache, HybridRadixCache) and self.cache.evict_states(1):
             slot = self.state_pool.alloc()
+        if slot is None and reclaim:
+            holder = max(self.running, key=lambda r: len(r.snapshots), default=None)
+            if holder is not None and holder.snapshots:
+                # the middle one: the first serves shared system prompts, the last the nearest future
+                _, slot = holder.snapshots.pop(len(holder.snapshots) // 2)
         return slot
 
     def _admit(self, req: Req) -> bool:
@@ -177,7 +185,7 @@ class Scheduler:
             return False
         state = None
         if self.state_pool is not None:
-            state = self._alloc_state()
+            state = self._alloc_state(reclaim=True)
             if state is None:
                 self.req_to_token_pool.free(idx)
                 return False

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(600)
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProc]:
     model = ck.build_tiny_checkpoint(tmp_path_factory.mktemp("q35") / "tiny-qwen3_5", "Qwen3.5-0.8B",
                                      num_hidden_layers=4, head_dim=32, seed=5)
-    d = start_daemon(model, "--cache.state_slots", "6", "--cache.state_snapshot_interval", "64", ready_timeout=180)
+    d = start_daemon(model, "--cache.state_slots", "6", "--cache.state_snapshot_interval", "64",
+                     "--server.max_queued_requests", "4", ready_timeout=180)
     try:
         yield d
     finally:
@@ -58,3 +59,29 @@ def test_status_and_metrics_account_for_states(daemon: DaemonProc) -> None:
         text = c.get("/metrics").text
     assert 'mllmd_state_cache_usage_ratio{model_name="tiny-qwen3_5"} 0.0' in text
     assert 'mllmd_state_cache_snapshots{model_name="tiny-qwen3_5"}' in text
+
+
+def test_what_the_server_holds_counts_the_state_slots(daemon: DaemonProc) -> None:
+    """Only as many requests as there are state slots run at once: the queue bound adds those (6), not
+    scheduler.max_running_requests (64), so that more than server.max_queued_requests waiting is a 503
+    and a request that could never be held is a 400 naming the state slots."""
+    import httpx
+
+    wait_for(daemon, lambda st: st["total_slots"] == 6)
+    with httpx.Client(base_url=daemon.base_url, timeout=120) as h:
+        body = {"model": "tiny-qwen3_5", "prompt": "hi", "max_tokens": 2}
+        r = h.post("/v1/completions", json={**body, "n": 11})
+        assert r.status_code == 400 and "cache.state_slots" in r.json()["error"]["message"], r.text
+        r = h.post("/v1/completions", json={**body, "n": 10})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 10, r.text
+
+
+def test_mllmctl_status_prints_the_state_slots(daemon: DaemonProc) -> None:
+    from mllmd.ctl import render_status
+
+    s = wait_for(daemon, lambda st: st["total_slots"] == 6)
+    line = [x for x in render_status(s).splitlines() if x.startswith("states:")]
+    st = s["state_cache"]
+    assert line == [f"states:   {st['request_slots']} held by requests, {st['snapshot_slots']} snapshots, "
+                    f"{st['free_slots']} free of 6 slots ({line[0].split('(')[1]}"], line
+

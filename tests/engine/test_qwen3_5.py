@@ -96,6 +96,30 @@ def test_new_and_continuing_requests_in_one_batch(model: Path, hf: Any) -> None:
     assert tight.engine.is_idle_and_clean()
 
 
+def test_snapshots_a_long_prompt_takes_do_not_keep_the_next_request_waiting(model: Path, hf: Any) -> None:
+    """A prompt prefilled in 16-token chunks with a snapshot every 16 tokens took every one of 4 state
+    slots as snapshots and held them until it finished: a second request waited through its whole
+    generation. Admission takes one of those snapshots back (they are cache material); both outputs
+    stay exact, and the pool's count shows them as snapshots, not as slots held by requests."""
+    long, short = prompt(6, 130), prompt(7, 10)
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=16, state_slots=4, state_snapshot_interval=16)
+    engine, sched = llm.engine, llm.engine.scheduler
+    engine.add_request("long", long, GREEDY)
+    while sched.waiting or sched.running[0].kv_len < len(long):
+        engine.step()  # the long prompt is prefilled: it decodes from now on
+    usage = engine.state_usage()
+    assert usage is not None and (usage["free"], usage["snapshots"]) == (0, 3), usage
+    engine.add_request("short", short, GREEDY)
+    engine.step()
+    assert {r.rid for r in sched.running} == {"long", "short"}, "the short request waited for the long one"
+    usage = engine.state_usage()
+    assert usage is not None and (usage["free"], usage["snapshots"]) == (0, 2), usage
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.is_idle_and_clean()
+    assert [o.token_ids for o in llm.generate([long, short], GREEDY)] == [hf_greedy(hf, long), hf_greedy(hf, short)]
+
+
 def test_prefix_hits_around_snapshot_boundaries(model: Path, hf: Any) -> None:
     """Snapshots every 64 tokens: a second request sharing 50 (before the first boundary), 64 (at it),
     100 (after it) prompt tokens with the first reuses 0, 64, 64 of them; one that extends the first
