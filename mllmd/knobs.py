@@ -30,7 +30,8 @@ W4A16_FUSIONS = _flag("MLLMD_W4A16_FUSIONS", True)
 
 # MLLMD_GEMV_FUSIONS=1 (default 0): at batch-1 decode the dense projections' one-row GEMV applies the
 # RMSNorm, SiLU-and-mul or gated RMSNorm before it (mllmd_kernels.gemv_fused) instead of running them
-# in launches of their own. Off by default: it measured slower on the H200 (docs/benchmarks.md; kernels/mllmd_kernels/NOTES.md, gemv_fused).
+# in launches of their own. Off by default: it measured slower on the H200 (docs/benchmarks.md;
+# kernels/mllmd_kernels/NOTES.md, gemv_fused).
 GEMV_FUSIONS = _flag("MLLMD_GEMV_FUSIONS", False)
 
 
