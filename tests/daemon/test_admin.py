@@ -229,6 +229,14 @@ def test_hot_swap_under_load_and_restart_memory(models_dir: Path, tmp_path: Path
                                     chunks.append(c["delta"].get("content") or "")
                     outputs.append((200, model, "".join(chunks)))
 
+        def finished_by_model() -> dict[str, float]:
+            out: dict[str, float] = {}
+            for sm in _parse_metrics(httpx.get(f"{d.base_url}/metrics").text).get("mllmd_request_success", []):
+                if sm.name == "mllmd_request_success_total":
+                    out[sm.labels["model_name"]] = out.get(sm.labels["model_name"], 0) + sm.value
+            return out
+
+        before = finished_by_model()
         threads = [threading.Thread(target=client) for _ in range(2)]
         for t in threads:
             t.start()
@@ -245,6 +253,11 @@ def test_hot_swap_under_load_and_restart_memory(models_dir: Path, tmp_path: Path
         for _, model, text in outputs:
             assert text == expected[model], f"a response mixed models or diverged: {model!r} {text!r}"
         assert {m for _, m, _ in outputs} == {"alpha", "beta"}
+        # each request counts under the model that served it, also when it finished after a swap began
+        after = finished_by_model()
+        for name in ("alpha", "beta"):
+            served = sum(1 for _, m, _ in outputs if m == name)
+            assert after.get(name, 0) - before.get(name, 0) == served, (name, before, after, len(outputs))
     finally:
         stop_and_check(d)
     # A restart with the same configuration comes back with the last loaded model (alpha).
