@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mllmd.daemon.config import is_loopback_host
+from mllmd.daemon.cors import origin_key
 
 
 def host_name(header: bytes) -> str:
@@ -41,7 +42,7 @@ class BrowserGuard:
 
     def __init__(self, app: Any, origins: Iterable[str], hosts: Iterable[str], loopback_only: bool) -> None:
         self.app = app
-        self.origins = {o.rstrip("/").lower() for o in origins}
+        self.origins = {origin_key(o) for o in origins}
         self.hosts = {h.lower() for h in hosts}
         self.loopback_only = loopback_only
 
@@ -54,7 +55,7 @@ class BrowserGuard:
         return not self.loopback_only or loopback_name(host)
 
     def origin_allowed(self, origin: bytes | None) -> bool:
-        return origin is None or "*" in self.origins or origin.decode("latin-1").rstrip("/").lower() in self.origins
+        return origin is None or "*" in self.origins or origin_key(origin.decode("latin-1")) in self.origins
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":

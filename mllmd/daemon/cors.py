@@ -17,18 +17,22 @@ DEFAULT_ALLOW_HEADERS = b"Authorization, Content-Type, X-Request-Id"
 MAX_AGE = b"600"  # seconds a browser may cache a preflight answer
 
 
+def origin_key(origin: str) -> str:
+    """An origin as configured or sent, compared case-insensitively and without a trailing slash (a
+    browser sends scheme and host in lower case); browser_guard compares them the same way."""
+    return origin.rstrip("/").lower()
+
+
 class CORS:
     """ASGI middleware; `origins` as configured ("*" allows any origin)."""
 
     def __init__(self, app: Any, origins: Iterable[str]) -> None:
         self.app = app
-        # origins compare case-insensitively (a browser sends its scheme and host in lower case), as
-        # browser_guard compares them
-        self.origins = {o.rstrip("/").lower().encode() for o in origins}
+        self.origins = {origin_key(o).encode() for o in origins}
         self.any = b"*" in self.origins
 
     def allowed(self, origin: bytes | None) -> bool:
-        return origin is not None and (self.any or origin.lower() in self.origins)
+        return origin is not None and (self.any or origin_key(origin.decode("latin-1")).encode() in self.origins)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not self.origins:

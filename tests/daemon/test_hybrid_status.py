@@ -79,9 +79,11 @@ def test_what_the_server_holds_counts_the_state_slots(daemon: DaemonProc) -> Non
 def test_mllmctl_status_prints_the_state_slots(daemon: DaemonProc) -> None:
     from mllmd.ctl import render_status
 
-    s = wait_for(daemon, lambda st: st["total_slots"] == 6)
+    s = wait_for(daemon, lambda st: st["total_slots"] == 6 and st["request_slots"] == 0)
     line = [x for x in render_status(s).splitlines() if x.startswith("states:")]
     st = s["state_cache"]
-    assert line == [f"states:   {st['request_slots']} held by requests, {st['snapshot_slots']} snapshots, "
-                    f"{st['free_slots']} free of 6 slots ({line[0].split('(')[1]}"], line
+    kib = st["bytes_per_slot"] / 1024
+    assert st["free_slots"] + st["snapshot_slots"] == 6 and kib > 1, st
+    assert line == [f"states:   0 held by requests, {st['snapshot_slots']} snapshots, {st['free_slots']} free of 6 "
+                    f"slots ({kib:.1f} KiB each)"], line
 
