@@ -117,7 +117,10 @@ def render_status(s: dict[str, Any]) -> str:
     elif load.get("error"):
         lines.append(f"last load failed: {load['error']}")
     req = s.get("requests") or {}
-    lines.append(f"requests: {req.get('running', 0)} running, {req.get('waiting', 0)} waiting")
+    line = f"requests: {req.get('running', 0)} running, {req.get('waiting', 0)} waiting"
+    if req.get("retiring"):  # a model being swapped out still finishes these
+        line += f", {req['retiring']} finishing on the previous model"
+    lines.append(line)
     kv = s.get("kv_cache") or {}
     if kv:
         lines.append(f"kv cache: {100 * (kv.get('usage_ratio') or 0):.1f}% used of {kv.get('total_tokens')} tokens")

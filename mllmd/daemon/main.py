@@ -400,7 +400,7 @@ class Daemon:
 
     async def start_drain(self) -> str:
         self.draining = True
-        n = self.active.rm.num_in_flight if self.active is not None else 0
+        n = sum(s.rm.num_in_flight for s in self.slots())
         return f"draining: no new requests are accepted; {n} in flight will finish (a load-model ends the drain)"
 
     async def flush_cache(self) -> str:
@@ -619,7 +619,9 @@ class Daemon:
             "workers": slot.supervisor.status() if slot is not None else [],
             "requests": {"running": stats.running if stats is not None else 0,
                          "waiting": stats.waiting if stats is not None else 0,
-                         "in_flight": slot.rm.num_in_flight if slot is not None else 0,
+                         # every model's, also one being swapped out that finishes its requests
+                         "in_flight": sum(s.rm.num_in_flight for s in self.slots()),
+                         "retiring": sum(s.rm.num_in_flight for s in self.retiring),
                          # what main keeps per request (all 0 when idle: nothing may accumulate)
                          "tracked": {"requests": sum(s.rm.num_in_flight for s in self.slots()),
                                      "groups": sum(s.rm.num_groups for s in self.slots()),
