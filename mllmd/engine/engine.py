@@ -459,7 +459,6 @@ class Engine:
         if states is None:
             return None
         snapshots = self.cache.num_states if isinstance(self.cache, HybridRadixCache) else 0
-        snapshots += sum(len(r.snapshots) for r in self.scheduler.running)  # taken while prefilling: cache material
         return {"total": states.size, "free": states.available(), "snapshots": snapshots,
                 "bytes_per_slot": states.slot_bytes}
 

@@ -80,10 +80,8 @@ class Req:
     mrope_positions: Any = None
     mrope_delta: int = 0
     # hybrid models: the state-pool slot holding this request's recurrent state after its kv_len
-    # tokens, and the snapshots it took at aligned positions while prefilling ((length, slot), kept
-    # for the prefix cache when the request releases its KV)
+    # tokens (the snapshots it takes while prefilling go to the prefix cache at once)
     state_slot: int | None = None
-    snapshots: list[tuple[int, int]] = field(default_factory=list)
     # structured outputs: the grammar matcher (mllmd.structured.matcher.RequestGrammar) of a
     # constrained request, advanced by each token it takes
     grammar: Any = None

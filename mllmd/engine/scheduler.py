@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from mllmd.engine.prefix_cache import HybridRadixCache, PrefixCache
+from mllmd.engine.prefix_cache import HybridRadixCache, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
 from mllmd.engine.state_pool import StatePool
 from mllmd.engine.step_cost import MIN_CAPPED_TOKENS
@@ -131,7 +131,7 @@ class Scheduler:
         value = self._kv_slots(req)
         key = req.cache_key(req.kv_len)
         if isinstance(self.cache, HybridRadixCache):
-            states = list(req.snapshots)
+            states = []
             if req.state_slot is not None and req.kv_len > 0:
                 states.append((req.kv_len, req.state_slot))
             elif req.state_slot is not None:
@@ -140,8 +140,8 @@ class Scheduler:
             self._free_states(surplus)
         else:
             n = self.cache.insert(key, value)
-            self._free_states([s for _, s in req.snapshots] + ([req.state_slot] if req.state_slot is not None else []))
-        req.state_slot, req.snapshots = None, []
+            self._free_states([req.state_slot] if req.state_slot is not None else [])
+        req.state_slot = None
         self.allocator.free(value[req.prefix_len : n])
         if req.last_node is not None:
             self.cache.dec_lock_ref(req.last_node)
@@ -161,20 +161,14 @@ class Scheduler:
             for slot in slots:
                 self.state_pool.free(slot)
 
-    def _alloc_state(self, reclaim: bool = False) -> int | None:
-        """A free state slot, giving up the prefix cache's least recently used snapshot if need be, and
-        with `reclaim` (a request's own state) a snapshot a running request took while prefilling:
-        those are cache material, and one long prompt's (a 32K prompt takes 64 at the default
-        interval) must not keep the next request waiting until it finishes."""
+    def _alloc_state(self) -> int | None:
+        """A free state slot, giving up the prefix cache's least recently used snapshot if need be (the
+        snapshots a running prefill takes are in the cache too: one long prompt's, 64 for a 32K prompt
+        at the default interval, never keep the next request waiting until it finishes)."""
         assert self.state_pool is not None
         slot = self.state_pool.alloc()
         if slot is None and isinstance(self.cache, HybridRadixCache) and self.cache.evict_states(1):
             slot = self.state_pool.alloc()
-        if slot is None and reclaim:
-            holder = max(self.running, key=lambda r: len(r.snapshots), default=None)
-            if holder is not None and holder.snapshots:
-                # the middle one: the first serves shared system prompts, the last the nearest future
-                _, slot = holder.snapshots.pop(len(holder.snapshots) // 2)
         return slot
 
     def _admit(self, req: Req) -> bool:
@@ -185,7 +179,7 @@ class Scheduler:
             return False
         state = None
         if self.state_pool is not None:
-            state = self._alloc_state(reclaim=True)
+            state = self._alloc_state()
             if state is None:
                 self.req_to_token_pool.free(idx)
                 return False
@@ -381,16 +375,41 @@ class Scheduler:
         return budget if self.chunk_size is None else min(budget, self.chunk_size)
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's KV has been written (and, hybrid models, snapshot the states of
-        prefills that stopped at an aligned position, enqueued after the step's forward)."""
+        """Record that the batch's KV has been written; a prefill chunk's KV enters the prefix cache
+        (and, hybrid models, the state of a prefill that stopped at an aligned position is snapshotted
+        there, the copy enqueued after the step's forward)."""
         for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             req.kv_len = p + n
+            if n <= 1 or not isinstance(self.cache, RadixCache):
+                continue
+            snapshot = None
             if self.snapshot_interval and req.kv_len % self.snapshot_interval == 0 and req.kv_len < len(req.token_ids) - 1:
                 assert self.state_pool is not None and req.state_slot is not None
-                slot = self._alloc_state()
-                if slot is not None:
-                    self.state_pool.copy(req.state_slot, slot)
-                    req.snapshots.append((req.kv_len, slot))
+                snapshot = self._alloc_state()
+                if snapshot is not None:
+                    self.state_pool.copy(req.state_slot, snapshot)
+            self._cache_unfinished(req, snapshot)
+
+    def _cache_unfinished(self, req: Req, snapshot: int | None) -> None:
+        """Put what a running request has computed into the prefix cache (SGLang's
+        cache_unfinished_req): a request that arrives meanwhile with the same prefix hits it from the
+        next step on, and where another request cached these tokens first, its slots replace this
+        one's (freed). The request locks the new end of its path; `snapshot` (hybrid models: the state
+        after these tokens) becomes that node's, or is freed if the node has one."""
+        assert req.req_pool_idx is not None and req.last_node is not None and isinstance(self.cache, RadixCache)
+        start, row = req.prefix_len, self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        own = row[start : req.kv_len].clone()
+        had, node, cached = self.cache.extend(req.last_node, req.cache_key(req.kv_len)[start:], own)
+        if had:
+            self.allocator.free(own[:had])
+            row[start : start + had] = cached[:had]
+        self.cache.inc_lock_ref(node)
+        self.cache.dec_lock_ref(req.last_node)
+        req.last_node, req.prefix_len = node, req.kv_len
+        if snapshot is not None:
+            assert isinstance(self.cache, HybridRadixCache)
+            if not self.cache.attach_state(node, snapshot):
+                self._free_states([snapshot])
 
     def finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason

@@ -39,6 +39,43 @@ def test_shared_prefix_computes_only_the_suffix(llm: LLM, qwen3_tied: Path) -> N
     assert llm.engine.is_idle_and_clean()
 
 
+def test_a_prefix_still_being_prefilled_is_shared(qwen3_tied: Path) -> None:
+    """A request that arrives while another still prefills the same long prefix (chunks of 64) reuses
+    the chunks computed so far instead of computing them again (they enter the prefix cache as each
+    chunk ends, as SGLang's cache_unfinished_req); both outputs equal their cold runs, and a third
+    request whose prompt was prefilled by both reuses one copy (the second's duplicate slots freed)."""
+    prefix = _random_ids(300, 4)
+    first, second = prefix + _random_ids(20, 5), prefix + _random_ids(20, 6)
+    llm = LLM(str(qwen3_tied), dtype="float32", max_total_tokens=4096, context_length=1024, chunked_prefill_size=64)
+    engine, sched = llm.engine, llm.engine.scheduler
+    engine.add_request("first", first, GREEDY)
+    while sched.waiting or sched.running[0].kv_len < 192:
+        engine.step()
+    assert sched.running[0].kv_len < len(first) - 1, "the first prompt was meant to be still prefilling"
+    engine.add_request("second", second, GREEDY)
+    outs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finished:
+                cached[o.rid] = o.cached_tokens
+    assert cached == {"first": 0, "second": 192}
+    cold = LLM(str(qwen3_tied), dtype="float32", disable_radix_cache=True)
+    assert [outs["first"], outs["second"]] == [o.token_ids for o in cold.generate([first, second], GREEDY)]
+    assert engine.is_idle_and_clean()
+    # one new prompt prefilled by two requests in the same steps: the second's slots of each chunk
+    # duplicate the first's and are freed, it reads the first's from then on
+    twin = _random_ids(200, 7)
+    before = sched.stats.prefill_tokens_computed
+    twins = llm.generate([twin, twin], GREEDY)
+    assert sched.stats.prefill_tokens_computed - before == 2 * len(twin)
+    assert twins[0].token_ids == twins[1].token_ids == cold.generate([twin], GREEDY)[0].token_ids
+    assert engine.is_idle_and_clean()
+    held = engine.cache.held_slots()
+    assert held.numel() == held.unique().numel() == engine.cache.total_size(), "a KV slot is cached twice"
+
+
 def test_abort_waiting_and_running_frees_everything(llm: LLM) -> None:
     engine = llm.engine
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)

@@ -120,6 +120,30 @@ def test_snapshots_a_long_prompt_takes_do_not_keep_the_next_request_waiting(mode
     assert [o.token_ids for o in llm.generate([long, short], GREEDY)] == [hf_greedy(hf, long), hf_greedy(hf, short)]
 
 
+def test_a_snapshot_taken_while_prefilling_serves_a_request_that_arrives_meanwhile(model: Path, hf: Any) -> None:
+    """Snapshots every 32 tokens, chunks of 32: a request sharing 80 prompt tokens with one still
+    prefilling (at 96 of 150) starts from its snapshot at 64 (it entered the prefix cache when that
+    chunk ended; it used to wait in the request until it finished), and both outputs are exact."""
+    first = prompt(8, 150)
+    second = first[:80] + prompt(9, 20)
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=32, state_snapshot_interval=32)
+    engine, sched = llm.engine, llm.engine.scheduler
+    engine.add_request("first", first, GREEDY)
+    while sched.waiting or sched.running[0].kv_len < 96:
+        engine.step()
+    engine.add_request("second", second, GREEDY)
+    outs: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.rid, []).extend(o.new_token_ids)
+            if o.finished:
+                cached[o.rid] = o.cached_tokens
+    assert cached == {"first": 0, "second": 64}
+    assert [outs["first"], outs["second"]] == [hf_greedy(hf, first), hf_greedy(hf, second)]
+    assert engine.is_idle_and_clean()
+
+
 def test_prefix_hits_around_snapshot_boundaries(model: Path, hf: Any) -> None:
     """Snapshots every 64 tokens: a second request sharing 50 (before the first boundary), 64 (at it),
     100 (after it) prompt tokens with the first reuses 0, 64, 64 of them; one that extends the first

@@ -377,3 +377,27 @@ def test_random_operations_match_brute_force_model(seed: int) -> None:
     assert cache.total_size() == cache.protected_size() == 0
     assert sorted(alloc.freed) == list(range(alloc.next_slot))
     assert max(alloc.freed.values(), default=1) == 1
+
+
+def test_extend_adds_below_a_locked_node_and_reports_what_was_cached() -> None:
+    """`extend` (a running request's next chunk): the tokens after the request's node, the count another
+    request cached first, the node that ends exactly after them (an edge split there), and the cache's
+    slots of the whole chunk."""
+    cache, alloc = make_radix()
+    a = alloc.alloc(8)
+    cache.insert([1, 2, 3, 4, 5, 6, 7, 8], a)  # another request's prompt
+    start = cache.match_prefix([1, 2]).last_node  # this request: 2 tokens matched at admission
+    cache.inc_lock_ref(start)
+    own = alloc.alloc(4)  # it computed tokens 3, 4, 5, 9
+    had, node, slots = cache.extend(start, [3, 4, 5, 9], own)
+    assert had == 3 and node.key == (9,) and slots.tolist() == [*a[2:5].tolist(), own[3].item()]
+    assert cache.match_prefix([1, 2, 3, 4, 5, 9]).last_node is node
+    cache.inc_lock_ref(node)
+    cache.dec_lock_ref(start)
+    assert cache.protected_size() == 6 and cache.total_size() == 9
+    # a chunk that ends inside an edge splits it, so the node ends exactly there
+    had, mid, slots = cache.extend(cache.root, [1, 2, 3, 4, 5, 6], alloc.alloc(6))
+    assert had == 6 and mid.key[-1] == 6 and cache.match_prefix([1, 2, 3, 4, 5, 6]).last_node is mid
+    assert slots.tolist() == a[:6].tolist()
+    with pytest.raises(ValueError, match="2 tokens but 1 slots"):
+        cache.extend(cache.root, [1, 2], alloc.alloc(1))

@@ -5,7 +5,9 @@ prefix: a node may hold a snapshot (a slot of the state pool with the state afte
 token), and a match is cut back to the deepest matched node that has one (SGLang's MambaRadixCache
 design). Snapshots come from released requests: the state after everything they computed, and the
 states they took at aligned positions while prefilling (so that a shared prefix longer than the
-snapshot interval matches even when the requests diverge after it).
+snapshot interval matches even when the requests diverge after it). Those taken while prefilling
+enter the tree at once, with the KV before them (`Scheduler._cache_unfinished`), so a request that
+arrives meanwhile with the same prefix hits them, and they are evictable like any other snapshot.
 
 KV and snapshots are evicted apart: KV by the base class (LRU leaves; a deleted node's snapshot goes
 with it), snapshots LRU over unlocked nodes (`evict_states`), leaving the node's KV as a "tombstone"
@@ -80,15 +82,17 @@ class HybridRadixCache(RadixCache):
         ends after `length` tokens of key (split where needed). Returns (insert's result, the slots
         not kept because their node had a snapshot already: the caller frees them)."""
         n = self.insert(key, value)
-        surplus = []
-        for length, slot in states:
-            node = self._node_at(key, length)
-            if node is None or node.id in self._state:
-                surplus.append(slot)
-                continue
-            self._state[node.id] = slot
-            self._state_nodes[node.id] = node
+        surplus = [slot for length, slot in states if not self.attach_state(self._node_at(key, length), slot)]
         return n, surplus
+
+    def attach_state(self, node: TreeNode | None, slot: int) -> bool:
+        """Make `slot` the snapshot of `node` (the state after its last token); False, and the slot stays
+        the caller's, if the node already has one (or there is no such node)."""
+        if node is None or node is self.root or node.id in self._state:
+            return False
+        self._state[node.id] = slot
+        self._state_nodes[node.id] = node
+        return True
 
     def _node_at(self, key: Sequence[int], length: int) -> TreeNode | None:
         """The node whose path ends exactly after key[:length] (splitting an edge there), or None."""

@@ -117,6 +117,32 @@ class RadixCache(PrefixCache):
             self._add_leaf(node, tuple(key[i:]), value[i:].to(torch.int64, copy=True), now)
         return i
 
+    def extend(self, node: TreeNode, key: Sequence[int], value: torch.Tensor) -> tuple[int, TreeNode, torch.Tensor]:
+        """Insert `key` (the tokens that follow `node`'s path) with `value` below `node`, for a request
+        that is still running. Returns (how many of key's tokens were cached already, the node that ends
+        exactly after key, the cached slots of all of key): the caller frees its own slots of the
+        first count and uses the cache's instead."""
+        if value.numel() != len(key):
+            raise ValueError(f"extend: {len(key)} tokens but {value.numel()} slots")
+        now = next(self._clock)
+        values: list[torch.Tensor] = []
+        i = 0
+        while i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                break
+            n = _common_len(child.key, key[i : i + len(child.key)])
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            values.append(child.value)
+            node, i = child, i + n
+        if i < len(key):
+            leaf = self._add_leaf(node, tuple(key[i:]), value[i:].to(torch.int64, copy=True), now)
+            values.append(leaf.value)
+            node = leaf
+        return i, node, torch.cat(values) if values else self._empty()
+
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
             if node.lock_ref == 0:
@@ -158,13 +184,14 @@ class RadixCache(PrefixCache):
         return self.evict(self._evictable)
 
     # ---- tree surgery --------------------------------------------------------------------
-    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, now: int) -> None:
+    def _add_leaf(self, parent: TreeNode, key: tuple[int, ...], value: torch.Tensor, now: int) -> TreeNode:
         node = TreeNode(next(self._ids), key, value, parent, now)
         parent.children[key[0]] = node
         self._leaves.discard(parent)
         self._leaves.add(node)
         self._evictable += len(key)
         self._total += len(key)
+        return node
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split ``child`` after its first ``n`` tokens; return the new upper node."""
