@@ -333,7 +333,7 @@ class Api:
             req = protocol.parse_chat_request(chat, self.d.limits)
             if req.image_urls:
                 raise bad_request("/tokenize does not take images", "messages")
-            prompt = ChatPrompt(req.messages, req.tools, req.chat_template_kwargs)
+            prompt = req.chat_prompt()
         elif isinstance(body.get("prompt"), str):
             prompt = TextPrompt(body["prompt"])
         else:

@@ -253,8 +253,10 @@ class ChatRequest(_SamplingRequest):
         return OutputConstraint("json_schema", schema=rf["schema"], strict=rf["strict"])
 
     def chat_prompt(self) -> ChatPrompt:
-        """What the tokenizer worker renders with the chat template (tools dropped for tool_choice none)."""
-        return ChatPrompt(self.messages, self.tools if self.tool_choice != "none" else None, self.chat_template_kwargs)
+        """What the tokenizer worker renders with the chat template. The tools stay in the prompt with
+        tool_choice "none" (the model is only not to call them; earlier turns may hold their calls), as
+        in transformers' prompt for the same chat and vLLM's default; the reply is not parsed for calls."""
+        return ChatPrompt(self.messages, self.tools, self.chat_template_kwargs)
 
     @property
     def image_urls(self) -> list[str]:

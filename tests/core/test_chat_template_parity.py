@@ -48,6 +48,10 @@ CONVERSATIONS: dict[str, dict[str, Any]] = {
     "text-part-lists": {"messages": [
         {"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": " brief."}]},
         {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]}]},
+    # tool_choice "none": no call may come back, but the model still sees the tools it called before
+    "tools-with-tool-choice-none": {"tools": TOOLS, "tool_choice": "none", "messages": [
+        {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": None, "tool_calls": CALLS[:1]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]},
     "reasoning-history": {"chat_template_kwargs": {"enable_thinking": False}, "messages": [
         {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "add"},
         {"role": "user", "content": "3+3?"}]},
