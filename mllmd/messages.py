@@ -38,7 +38,7 @@ class _Message(msgspec.Struct, frozen=True, array_like=True, tag=True):
 
 # ---- prompts and what the tokenizer learns about them -------------------------------------------
 class ChatPrompt(msgspec.Struct, frozen=True, tag=True):
-    """Chat messages ready for the model's chat template (tools already dropped for tool_choice none)."""
+    """Chat messages and tools for the model's chat template (tool_choice "none" keeps the tools)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None

@@ -262,7 +262,7 @@ class Api:
         self._check_ready()
         if req.image_urls:
             self._check_images(len(req.image_urls))
-        prompt = ChatPrompt(req.messages, req.tools if req.tool_choice != "none" else None, req.chat_template_kwargs)
+        prompt = req.chat_prompt()
         srv, slot = self.d.config.server, self.d.active
         parsers = slot.chat_parsers(srv.reasoning_parser, srv.tool_call_parser) if slot is not None else (None, None)
         constraint = req.output_constraint(tool_call_format(parsers[1]))
@@ -333,7 +333,7 @@ class Api:
             req = protocol.parse_chat_request(chat, self.d.limits)
             if req.image_urls:
                 raise bad_request("/tokenize does not take images", "messages")
-            prompt = ChatPrompt(req.messages, req.tools, req.chat_template_kwargs)
+            prompt = req.chat_prompt()
         elif isinstance(body.get("prompt"), str):
             prompt = TextPrompt(body["prompt"])
         else:

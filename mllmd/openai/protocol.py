@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from mllmd.messages import OutputBudget
+from mllmd.messages import ChatPrompt, OutputBudget
 from mllmd.openai.errors import bad_request
 from mllmd.openai.fields import MAX_INT, JsonFields, as_float, as_str, as_token_ids, show
 from mllmd.openai.limits import (
@@ -217,8 +217,8 @@ class _SamplingRequest:
 class ChatRequest(_SamplingRequest):
     """A validated chat request. ``messages`` are plain dicts ready for the chat template: roles
     system/user/assistant/tool ("developer" becomes "system"); content a string, None (assistant with
-    tool calls) or, when images are present, a list of text/image_url parts; text-only part lists
-    are joined with newlines."""
+    tool calls) or a list of text/image_url parts, as the client sent it (the tokenizer worker gives the
+    template the shape it reads: mllmd.workers.chat_messages)."""
 
     model: str | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -251,6 +251,12 @@ class ChatRequest(_SamplingRequest):
         if rf["type"] == "json_object":
             return OutputConstraint("json_object")
         return OutputConstraint("json_schema", schema=rf["schema"], strict=rf["strict"])
+
+    def chat_prompt(self) -> ChatPrompt:
+        """What the tokenizer worker renders with the chat template. The tools stay in the prompt with
+        tool_choice "none" (the model is only not to call them; earlier turns may hold their calls), as
+        in transformers' prompt for the same chat and vLLM's default; the reply is not parsed for calls."""
+        return ChatPrompt(self.messages, self.tools, self.chat_template_kwargs)
 
     @property
     def image_urls(self) -> list[str]:
@@ -303,8 +309,7 @@ def _parse_content(o: JsonFields, role: str) -> str | list[dict[str, Any]] | Non
             raise po.err("type", f"content parts of type '{kind}' are not supported")
         else:
             raise po.err("type", f"must be 'text' or 'image_url' (got {show(kind)})")
-    if all(part["type"] == "text" for part in parts):
-        return "\n".join(part["text"] for part in parts)
+    # kept as a list: the tokenizer worker joins a text-only one for a template that renders only strings
     return parts
 
 

@@ -48,6 +48,7 @@ from mllmd.sampling_params import InvalidSamplingParam, OutputConstraint, choice
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
 from mllmd.workers import ipc
 from mllmd.workers.base import WorkerContext, worker_main
+from mllmd.workers.chat_messages import template_messages
 from mllmd.workers.tokenize_jobs import TokenizeJobs
 from mllmd.workers.vision_prompts import VisionPrompts, takes_images
 
@@ -123,6 +124,7 @@ def prompt_text(tokenizer: Any, req: TokenizeRequest, chat_template: str | None 
     """The text a chat or completion prompt encodes, and facts the detokenizer needs; None for token ids."""
     prompt = req.prompt
     if isinstance(prompt, ChatPrompt):
+        prompt = template_messages(tokenizer, prompt, chat_template)
         kwargs = _template_kwargs(prompt, chat_template)
         text = tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return text, _meta(text)
@@ -229,6 +231,7 @@ def tokenize_only(tokenizer: Any, msg: TokenizeOnly, chat_template: str | None =
         if isinstance(prompt, ChatPrompt):
             if image_parts(prompt.messages):
                 return TokenizeResult(msg.id, error="/tokenize does not take images")
+            prompt = template_messages(tokenizer, prompt, chat_template)
             text = tokenizer.apply_chat_template(prompt.messages, tokenize=False,
                                                  add_generation_prompt=msg.add_generation_prompt,
                                                  **_template_kwargs(prompt, chat_template))
@@ -317,6 +320,8 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
     holding up the requests behind it; so does one whose text is long, encoded on `jobs`' thread."""
     logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
     try:
+        if isinstance(req.prompt, ChatPrompt):  # parked requests keep it converted
+            req = msgspec.structs.replace(req, prompt=template_messages(tokenizer, req.prompt, chat_template))
         send_images = None
         if vision is not None and vision.wants(req.prompt):
             assert isinstance(req.prompt, ChatPrompt)

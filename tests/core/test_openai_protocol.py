@@ -118,7 +118,8 @@ def test_chat_messages_normalised():
     assert m[0] == {"role": "system", "content": "be brief"}
     assert m[1]["content"][1] == {"type": "image_url", "image_url": {"url": "file:///a.png", "detail": "low"}}
     assert m[2]["content"] is None and m[2]["tool_calls"][0]["function"]["name"] == "f"
-    assert m[3] == {"role": "tool", "content": "a\nb", "tool_call_id": "c1"}
+    assert m[3] == {"role": "tool", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "tool_call_id": "c1"}  # joined (or not) by the tokenizer worker, for the template
     assert m[4]["name"] == "bob"
     assert req.image_urls == ["file:///a.png"]
     assert [t["function"]["name"] for t in req.tools] == ["f", "g"]

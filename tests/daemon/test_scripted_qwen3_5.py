@@ -94,3 +94,27 @@ def test_qwen3_5_defaults_streaming(daemon: DaemonProc) -> None:
         assert len(finish) == 1
         seen.add(_check("".join(reasoning), "".join(content), [calls[i] for i in sorted(calls)], finish[0]))
     assert seen == set(EXPECTED)
+
+
+def test_qwen3_5_second_turn_after_a_tool_call(daemon: DaemonProc) -> None:
+    """The turn after a call, as the openai client sends it (arguments: the JSON string the reply gave):
+    Qwen3.5's template iterates over the arguments (`|items`), so the string must reach it as an object
+    (it was a 400, "Can only get item pairs from a mapping"); the ids are transformers' for the chat with
+    the arguments as an object."""
+    from transformers import AutoTokenizer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny, 20C"}]}]
+    r = daemon.openai().chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=100)
+    assert r.choices[0].finish_reason in ("stop", "tool_calls")
+    with daemon.http() as h:
+        got = h.post("/tokenize", json={"model": MODEL, "messages": messages, "tools": TOOLS})
+    assert got.status_code == 200, got.text
+    as_object = json.loads(json.dumps(messages))
+    as_object[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    tokenizer = AutoTokenizer.from_pretrained(str(daemon.model_path))
+    want = tokenizer.apply_chat_template(as_object, tools=TOOLS, tokenize=True, add_generation_prompt=True,
+                                         return_dict=False)
+    assert got.json()["tokens"] == list(want)
+    assert r.usage is not None and r.usage.prompt_tokens == len(want)
