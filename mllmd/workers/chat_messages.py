@@ -35,15 +35,31 @@ def renders_content_lists(tokenizer: Any, chat_template: str | None) -> bool:
     return isinstance(text, str) and _PROBE in text
 
 
+# the deepest arguments object given to a template as an object: rendering nests one Python frame or
+# more a level (Jinja, json.dumps), and 500 levels exceeded the interpreter's recursion limit
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _depth(value: Any) -> int:
+    """How deeply containers nest in a decoded JSON value (iterative: the value may be deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
 def _arguments(args: Any) -> Any:
-    """A tool call's arguments as an object where the string holds a JSON object."""
+    """A tool call's arguments as an object where the string holds a JSON object (not too deep)."""
     if not isinstance(args, str):
         return args
     try:
         value = msgspec.json.decode(args)
     except (msgspec.DecodeError, RecursionError, ValueError):
         return args
-    return value if isinstance(value, dict) else args
+    return value if isinstance(value, dict) and _depth(value) <= MAX_ARGUMENT_DEPTH else args
 
 
 def _message(message: dict[str, Any], lists: bool) -> dict[str, Any]:

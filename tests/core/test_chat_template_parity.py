@@ -16,6 +16,7 @@ from mllmd.checkpoint.tokenizer import DATA_DIR, build_qwen_tokenizer
 from mllmd.messages import OutputBudget, TokenizeOnly, TokenizeRequest
 from mllmd.openai import protocol
 from mllmd.sampling_params import SamplingParams
+from mllmd.workers.chat_messages import MAX_ARGUMENT_DEPTH
 from mllmd.workers.tokenizer_worker import tokenize, tokenize_only
 
 FAMILIES: dict[str, dict[str, Any]] = {
@@ -117,3 +118,21 @@ def test_arguments_that_are_not_an_object_stay_a_string(family: tuple[str, Any])
     body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "c", "content": "y"}]}
     assert '"arguments": not json}' in tokenizer.decode(worker_ids(tokenizer, body))
+
+
+@pytest.mark.parametrize("depth", [MAX_ARGUMENT_DEPTH, 500])
+def test_deeply_nested_arguments_cannot_exhaust_the_stack(family: tuple[str, Any], depth: int) -> None:
+    """Arguments 500 levels deep, parsed into an object, made the template's rendering raise RecursionError;
+    past MAX_ARGUMENT_DEPTH they stay the client's string (Qwen3's template writes it as it came)."""
+    fam, tokenizer = family
+    if fam != "Qwen3-0.6B":
+        pytest.skip("one template shows it")
+    args = '{"a":' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": args}}
+    body = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c", "content": "y"}]}
+    text = tokenizer.decode(worker_ids(tokenizer, body))
+    if depth <= MAX_ARGUMENT_DEPTH:
+        assert '"arguments": {"a": [[' in text  # an object, rendered with tojson
+    else:
+        assert '"arguments": ' + args in text
