@@ -148,25 +148,25 @@ class TokenizeRequest(_Message, frozen=True):
 
 
 class TokenizeOnly(_Message, frozen=True):
-    """main -> tokenizer (/tokenize, /detokenize): tokenize `prompt` (a chat with or without the
-    generation prompt, or text), or, with `prompt` None, decode `ids`. Answered by a TokenizeResult."""
+    """main -> tokenizer (/tokenize, /detokenize, completions' echo): tokenize `prompt` (a chat with or
+    without the generation prompt, or text), or, with `prompt` None, decode each list of `decode`.
+    Answered by a TokenizeResult."""
 
     id: str
     prompt: ChatPrompt | TextPrompt | None = None
-    ids: list[int] = []
     add_generation_prompt: bool = True
-    batch: list[list[int]] = []  # with `prompt` None: decode each of these (answered in `texts`), not `ids`
+    decode: list[list[int]] = []
 
 
 class TokenizeResult(_Message, frozen=True):
-    """tokenizer -> main: the ids (or text) of a TokenizeOnly, or why it failed: the client's fault,
-    or, with `unavailable`, the worker's (too many such requests at once: a 503)."""
+    """tokenizer -> main: the ids of a TokenizeOnly's prompt or the texts of its `decode` lists (in
+    order), or why it failed: the client's fault, or, with `unavailable`, the worker's (too many such
+    requests at once: a 503)."""
 
     id: str
     ids: list[int] = []
-    text: str = ""
+    texts: list[str] = []
     error: str | None = None
-    texts: list[str] = []  # a batch's texts, in order
     unavailable: bool = False
 
 

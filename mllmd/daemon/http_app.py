@@ -339,7 +339,7 @@ class Api:
         else:
             raise bad_request("give 'prompt' (a string) or 'messages'", "prompt")
         slot = self.d.serving_slot(1)
-        ids = (await self._tokenizer(slot, TokenizeOnly(_query_id(), prompt, [], add_gen))).ids
+        ids = (await self._tokenizer(slot, TokenizeOnly(_query_id(), prompt, add_gen))).ids
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": slot.context_length})
 
     async def detokenize(self, request: Request) -> Response:
@@ -355,8 +355,8 @@ class Api:
         if any(not 0 <= t < 1 << 31 for t in tokens):
             raise bad_request("'tokens' holds an id outside the vocabulary", "tokens")
         slot = self.d.serving_slot(1)
-        text = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, tokens))).text
-        return JSONResponse({"prompt": text})
+        texts = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, decode=[tokens]))).texts
+        return JSONResponse({"prompt": texts[0]})
 
     async def _echo_texts(self, prompts: list[str | list[int]], n: int) -> list[str]:
         """Each choice's prompt as `echo` returns it: a prompt of token ids as the tokenizer decodes it
@@ -365,7 +365,7 @@ class Api:
         decoded: list[str] = []
         if ids:
             slot = self.d.serving_slot(1)
-            decoded = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, batch=ids))).texts
+            decoded = (await self._tokenizer(slot, TokenizeOnly(_query_id(), None, decode=ids))).texts
         it = iter(decoded)
         return [text for p in prompts for text in [p if isinstance(p, str) else next(it)] * n]
 

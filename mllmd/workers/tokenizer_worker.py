@@ -221,13 +221,10 @@ def tokenize_only(tokenizer: Any, msg: TokenizeOnly, chat_template: str | None =
         prompt = msg.prompt
         if prompt is None:
             vocab = len(tokenizer)
-            lists = msg.batch or [msg.ids]
-            bad = next((t for ids in lists for t in ids if not 0 <= t < vocab), None)
+            bad = next((t for ids in msg.decode for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 return TokenizeResult(msg.id, error=f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
-            if msg.batch:
-                return TokenizeResult(msg.id, texts=tokenizer.batch_decode(msg.batch))
-            return TokenizeResult(msg.id, text=tokenizer.decode(msg.ids))
+            return TokenizeResult(msg.id, texts=tokenizer.batch_decode(msg.decode))
         if isinstance(prompt, ChatPrompt):
             if image_parts(prompt.messages):
                 return TokenizeResult(msg.id, error="/tokenize does not take images")

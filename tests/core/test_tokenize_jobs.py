@@ -40,14 +40,14 @@ def test_jobs_run_off_the_callers_thread_and_answer_in_order(qwen3_tied: Path) -
     jobs = TokenizeJobs(load, run)
     try:
         assert jobs.submit(TokenizeOnly("a", TextPrompt("hello world"))) is None
-        assert jobs.submit(TokenizeOnly("b", None, [9707])) is None
+        assert jobs.submit(TokenizeOnly("b", None, decode=[[9707]])) is None
         assert jobs.pending and jobs.finished() == []  # the caller went on while the job waits
         gate.set()
         answers = _wait_for(jobs, 2)
         reference = AutoTokenizer.from_pretrained(qwen3_tied)
         assert [a.id for a in answers] == ["a", "b"]
         assert answers[0].ids == reference.encode("hello world", add_special_tokens=False)
-        assert answers[1].text == reference.decode([9707]) and not jobs.pending
+        assert answers[1].texts == [reference.decode([9707])] and not jobs.pending
         assert loads and threading.get_ident() not in loads  # the job's own tokenizer, on its thread
     finally:
         gate.set()
