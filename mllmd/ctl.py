@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import socket
+import stat
 import sys
 import time
 from typing import Any
@@ -22,6 +24,8 @@ from urllib.parse import urlsplit
 from mllmd import knobs
 
 DEFAULT_TIMEOUT = 30.0
+START_HINT = ("Start it with `sudo systemctl start mllmd`, or point --socket (or MLLMD_SERVER__UNIX_SOCKET) "
+              "at the socket of the one you run.")
 
 
 class Unreachable(Exception):
@@ -61,6 +65,20 @@ class Client:
     def where(self) -> str:
         return self.url or f"unix:{self.socket_path}"
 
+    def _refused(self) -> str:
+        """What a refused connection means here, and what to do about it."""
+        if self.url:
+            return (f"nothing listens at {self.url}: is mllmd running, with server.host / server.port "
+                    f"set to that address? {START_HINT}")
+        path = self.socket_path or ""
+        try:
+            is_socket = stat.S_ISSOCK(os.stat(path).st_mode)
+        except OSError:
+            is_socket = True
+        if not is_socket:
+            return f"{path} is not a Unix socket; --socket takes the daemon's socket (server.unix_socket)"
+        return f"nothing listens on {path} (left by a daemon that stopped?): mllmd is not running. {START_HINT}"
+
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
         if self.admin_key:
@@ -74,7 +92,9 @@ class Client:
         except PermissionError as e:
             raise Unreachable(f"permission denied on {self.where()} (are you in group mllmd?): {e}") from None
         except FileNotFoundError:
-            raise Unreachable(f"no daemon socket at {self.socket_path} (is mllmd running?)") from None
+            raise Unreachable(f"no daemon socket at {self.socket_path}: is mllmd running? {START_HINT}") from None
+        except ConnectionRefusedError:
+            raise Unreachable(self._refused()) from None
         except (TimeoutError, ConnectionError, OSError) as e:
             raise Unreachable(f"cannot reach mllmd at {self.where()}: {e}") from None
         finally:
@@ -189,13 +209,36 @@ def _default_socket(config_path: str | None) -> str:
     return cfg.server.unix_socket
 
 
+def _seconds(text: str) -> float:
+    """A positive number of seconds (0 would time out at once, a negative one fails in the socket)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds (got {text!r})")
+    return value
+
+
+def _url(text: str) -> str:
+    """http(s)://HOST[:PORT]: without a scheme, urlsplit takes HOST for one and the call goes astray."""
+    try:
+        u = urlsplit(text)
+        u.port  # noqa: B018 (raises ValueError for a port out of range)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad URL {text!r}: {e}") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise argparse.ArgumentTypeError(f"want http://HOST:PORT, e.g. http://127.0.0.1:30000 (got {text!r})")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mllmctl", description="Operate a running mllmd.")
     ap.add_argument("--socket", help="daemon Unix socket (default: server.unix_socket from the config)")
-    ap.add_argument("--url", help="daemon base URL over TCP, e.g. http://127.0.0.1:30000 (needs --admin-key)")
+    ap.add_argument("--url", type=_url, help="daemon base URL over TCP, e.g. http://127.0.0.1:30000 (needs --admin-key)")
     ap.add_argument("--admin-key", default=knobs.admin_key(), help="admin API key for --url")
     ap.add_argument("--config", help="mllmd configuration file (to find the socket)")
-    ap.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds per request")
+    ap.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, help="seconds per request")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, what in (("status", "state, model, requests, KV cache, memory and workers"),
                        ("models", "the model folders under model.models_dir, and which is loaded"),
@@ -207,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("load-model", help="load (or hot-swap to) a model folder or a name under models_dir")
     p.add_argument("model")
     p.add_argument("--wait", action="store_true", help="wait until loaded, with a progress bar")
-    p.add_argument("--wait-timeout", type=float, default=3600.0)
+    p.add_argument("--wait-timeout", type=_seconds, default=3600.0, help="seconds to wait for the load")
     for name, what in (("unload-model", "unload the model (requests get 503 until a load-model)"),
                        ("drain", "refuse new requests and let those in flight finish (a load-model ends it)"),
                        ("flush-cache", "empty the prefix cache"),

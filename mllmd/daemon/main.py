@@ -40,6 +40,7 @@ from mllmd.daemon.models import (
     resolve_in_models_dirs,
 )
 from mllmd.daemon.ratelimit import RateLimitedLog, RateLimitFilter
+from mllmd.daemon.sd_notify import Notifier, watchdog_usec
 from mllmd.daemon.state import STATE_FILE, Record, StateError, read_record, write_record
 from mllmd.daemon.state import probe as probe_state
 from mllmd.daemon.supervisor import WorkerPolicy
@@ -80,19 +81,6 @@ def _state_status(states: Any) -> dict[str, Any]:
     return {"total_slots": states.total, "free_slots": states.free, "request_slots": held,
             "snapshot_slots": states.snapshots, "bytes_per_slot": states.bytes_per_slot,
             "usage_ratio": round(held / states.total, 4) if states.total else 0.0}
-
-
-class Notifier:
-    """sd_notify (a no-op outside systemd)."""
-
-    def __init__(self) -> None:
-        import sdnotify
-
-        self._n = sdnotify.SystemdNotifier() if knobs.notify_socket() else None
-
-    def send(self, line: str) -> None:
-        if self._n is not None:
-            self._n.notify(line)
 
 
 def _socket_answers(path: str) -> bool:
@@ -586,7 +574,7 @@ class Daemon:
             last_state[0] = state
 
     async def _watchdog_loop(self) -> None:
-        usec = knobs.watchdog_usec()
+        usec = watchdog_usec()
         if usec is None:
             return
         interval = usec / 2e6
@@ -679,7 +667,8 @@ class Daemon:
                 "applied": live, "next_load": at_load, "needs_restart": restart}
 
     def _on_sighup(self) -> None:
-        self.notifier.send("RELOADING=1")
+        if self._announced_ready:  # still starting: the READY=1 to come is the only one systemd waits for
+            self.notifier.reloading()
         try:
             self.reload_config()
         except APIError as e:

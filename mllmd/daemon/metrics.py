@@ -43,6 +43,9 @@ counters at 0 (``mllmd_request_success_total`` for the reasons ``stop`` and ``le
 ``mllmd_request_failure_total`` for its three reasons), its
 histograms empty, so that rate() and absent() queries work before the first request.
 
+Counters and histograms carry no ``_created`` series (the text format would print each as a gauge
+family of its own).
+
 Device telemetry comes from the newest :class:`~mllmd.telemetry.collector.TelemetrySnapshot` given
 to :meth:`Metrics.set_telemetry`, through a custom collector that yields only what the snapshot
 has: a reading whose source is absent has no sample at all (never 0).
@@ -196,6 +199,25 @@ class _TelemetryExport(Collector):
         yield from _labelled("mllmd_power_average_watts", "Power per rail (running average)", "rail", s.power_average_watts)
 
 
+class _WithoutCreated(Collector):
+    """The registry's families minus their `_created` samples: the text format would print each as a
+    gauge family of its own (`mllmd_prompt_tokens_created`), one more series per counter and histogram
+    series that no query wants (vLLM turns them off too). Per registry, unlike prometheus-client's
+    process-wide disable_created_metrics()."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            if family.type in ("counter", "histogram", "summary", "gaugehistogram"):
+                family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
 def _scalar(name: str, doc: str, value: float | int | None) -> Iterator[Metric]:
     v = _finite(value) if value is not None else None
     if v is not None:
@@ -258,6 +280,8 @@ class Metrics:
         self.model_load = Histogram("mllmd_model_load_seconds", "Model load time, start to ready", MODEL, buckets=LOAD_BUCKETS, registry=r)
         self._telemetry = _TelemetryExport()
         r.register(self._telemetry)
+        self._export = CollectorRegistry(auto_describe=False)
+        self._export.register(_WithoutCreated(r))
         self.up.set(0)
         for worker in workers:
             self.worker_restarts.labels(worker)
@@ -447,8 +471,8 @@ class Metrics:
         self._telemetry.snapshot = snapshot
 
     def render(self) -> tuple[bytes, str]:
-        """(body, content type) of the Prometheus text format."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """(body, content type) of the Prometheus text format, without `_created` series."""
+        return generate_latest(self._export), CONTENT_TYPE_LATEST
 
 
 def _kv_usage(kv: KVUsage) -> float | None:

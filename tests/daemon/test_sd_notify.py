@@ -71,6 +71,32 @@ def test_no_watchdog_without_watchdog_usec(tiny_model: Path) -> None:
             stop_and_check(d)
 
 
+def test_sighup_sends_reloading_with_monotonic_usec_then_ready(tiny_model: Path) -> None:
+    """SIGHUP: RELOADING=1 with MONOTONIC_USEC= in the same datagram (systemd 253+ needs it to match
+    the reload to its signal), then READY=1."""
+    tmp = short_tmpdir()
+    listener = NotifyListener(tmp / "notify.sock")
+    d: Any = None
+    try:
+        d = start_daemon(tiny_model, env={"NOTIFY_SOCKET": str(listener.path)}, wait=False)
+        listener.wait_for("READY=1", READY_TIMEOUT)
+        before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        d.proc.send_signal(signal.SIGHUP)
+        listener.wait_for("RELOADING=1", 10)
+        deadline = time.monotonic() + 10
+        while listener.lines().count("READY=1") < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        lines = listener.lines()
+        i = lines.index("RELOADING=1")
+        assert lines[i + 1].startswith("MONOTONIC_USEC="), lines
+        assert int(lines[i + 1].split("=", 1)[1]) >= before
+        assert "READY=1" in lines[i + 2:], lines
+    finally:
+        listener.close()
+        if d is not None:
+            stop_and_check(d)
+
+
 def test_sigterm_drains_in_flight_requests(tiny_model: Path) -> None:
     """SIGTERM: new requests are refused (503); a short in-flight request finishes; long ones are cut
     off after server.shutdown_timeout with a 503 error (HTTP, or an SSE error event once streaming);

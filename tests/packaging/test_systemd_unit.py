@@ -212,3 +212,14 @@ def test_package_files() -> None:
     manpages = (DEBIAN / "mllmd.manpages").read_text().split()
     for ref in re.findall(r"man:(\S+)\((\d)\)", UNIT.read_text()):
         assert f"debian/{ref[0]}.{ref[1]}" in manpages
+
+
+def test_docs_the_readme_links_are_shipped() -> None:
+    """The README installed in /usr/share/doc/mllmd links docs/*.md: those ship beside it (as docs/,
+    so the relative links hold), or an operator reading it on the device follows a dead link."""
+    shipped = (DEBIAN / "mllmd.docs").read_text().split()
+    linked = set(re.findall(r"\]\((docs/[^)#]+)", (REPO / "README.md").read_text()))
+    assert linked, "README.md links no docs/ page any more: update this test"
+    for page in sorted(linked):
+        assert (REPO / page).is_file(), page
+        assert page in shipped or "docs" in shipped, f"{page} is linked from the packaged README but not shipped"
