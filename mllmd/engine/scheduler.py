@@ -402,7 +402,7 @@ class Scheduler:
         had, node, cached = self.cache.extend(req.last_node, req.cache_key(req.kv_len)[start:], own)
         if had:
             self.allocator.free(own[:had])
-            row[start : start + had] = cached[:had]
+            row[start : start + had] = cached
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(req.last_node)
         req.last_node, req.prefix_len = node, req.kv_len

@@ -120,8 +120,8 @@ class RadixCache(PrefixCache):
     def extend(self, node: TreeNode, key: Sequence[int], value: torch.Tensor) -> tuple[int, TreeNode, torch.Tensor]:
         """Insert `key` (the tokens that follow `node`'s path) with `value` below `node`, for a request
         that is still running. Returns (how many of key's tokens were cached already, the node that ends
-        exactly after key, the cached slots of all of key): the caller frees its own slots of the
-        first count and uses the cache's instead."""
+        exactly after key, the cache's slots of those tokens): the caller frees its own slots of them
+        and uses the cache's instead."""
         if value.numel() != len(key):
             raise ValueError(f"extend: {len(key)} tokens but {value.numel()} slots")
         now = next(self._clock)
@@ -137,11 +137,10 @@ class RadixCache(PrefixCache):
             child.last_access_time = now
             values.append(child.value)
             node, i = child, i + n
+        cached = torch.cat(values) if values else self._empty()
         if i < len(key):
-            leaf = self._add_leaf(node, tuple(key[i:]), value[i:].to(torch.int64, copy=True), now)
-            values.append(leaf.value)
-            node = leaf
-        return i, node, torch.cat(values) if values else self._empty()
+            node = self._add_leaf(node, tuple(key[i:]), value[i:].to(torch.int64, copy=True), now)
+        return i, node, cached
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
