@@ -41,7 +41,8 @@ def _help() -> str:
 commands:
   run            run the daemon (the default)
   demo           run the daemon on the built-in demo model (tiny, RANDOM weights: meaningless output;
-                 for trying the API); its Unix socket goes to the mllmd cache folder unless set
+                 for trying the API); its Unix socket and its state folder ($STATE_DIRECTORY) go to
+                 the mllmd cache folder unless set
   check-config   print the effective configuration (secrets hidden) and exit; 2 if it is invalid
 
 options:
@@ -99,7 +100,10 @@ def _run(config: DaemonConfig) -> int:
 
 
 def demo_overrides(overrides: list[str]) -> list[str]:
-    """Build the demo model (in a subprocess: this process never imports torch); point the config at it."""
+    """Build the demo model (in a subprocess: this process never imports torch); point the config at it.
+    Its socket and its state folder (the record of the loaded model) go to the mllmd cache folder unless
+    set, never to the service's: a demo run as root would otherwise replace the service's record."""
+    import os
     import subprocess
 
     from mllmd.knobs import cache_dir
@@ -113,6 +117,8 @@ def demo_overrides(overrides: list[str]) -> list[str]:
     extra = ["--model.path", path]
     if "--server.unix_socket" not in given:
         extra += ["--server.unix_socket", str(cache_dir() / "mllmd-demo.sock")]
+    if not os.environ.get("STATE_DIRECTORY"):
+        os.environ["STATE_DIRECTORY"] = str(cache_dir() / "state")  # inherited by the workers
     return extra + overrides
 
 

@@ -4,7 +4,8 @@
     commands: status [--json] | models [--json] | load-model PATH|NAME [--wait] | unload-model
               | drain | flush-cache | reload | requests [--json] | abort ID
 
-Exit status: 0 done; 1 the daemon refused the operation; 2 bad usage or the daemon is unreachable.
+Exit status: 0 done; 1 the daemon refused the operation; 2 bad usage, the daemon is unreachable or it
+answered 401/403 (not authorised: no admin key, a wrong one, or no access to the socket).
 Standard library only (it runs where torch is absent).
 """
 
@@ -29,7 +30,7 @@ START_HINT = ("Start it with `sudo systemctl start mllmd`, or point --socket (or
 
 
 class Unreachable(Exception):
-    """The daemon cannot be reached (exit status 2)."""
+    """The daemon cannot be reached, or refuses who we are (401/403) (exit status 2)."""
 
 
 class Refused(Exception):

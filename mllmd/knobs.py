@@ -43,14 +43,15 @@ def step_trace_path() -> str | None:
 
 def cache_dir() -> Path:
     """MLLMD_CACHE_DIR=DIR (default ~/.cache/mllmd): mllmd's cache folder. The demo model, the
-    converted Qwen tokenizers and `mllmd demo`'s Unix socket (mllmd-demo.sock) live there."""
+    converted Qwen tokenizers, `mllmd demo`'s Unix socket (mllmd-demo.sock) and its state folder (state/)
+    live there."""
     env = os.environ.get("MLLMD_CACHE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "mllmd"
 
 
 def state_dir() -> Path:
     """$STATE_DIRECTORY (set by systemd's StateDirectory=; the first entry), default /var/lib/mllmd:
-    where the daemon records the active model."""
+    where the daemon records the active model (`mllmd demo` sets it to cache_dir() / "state" if unset)."""
     return Path((os.environ.get("STATE_DIRECTORY") or "/var/lib/mllmd").split(":")[0])
 
 

@@ -111,7 +111,8 @@ def json_schema_grammar(xgr: Any, schema: str, *, strict_mode: bool = True, any_
 
 
 def build_grammar(xgr: Any, c: OutputConstraint) -> Any:
-    """The xgrammar Grammar of a constraint (compact JSON: no free whitespace for a model to ramble in)."""
+    """The xgrammar Grammar of a constraint (JSON with no free whitespace for a model to ramble in:
+    xgrammar's fixed separators, `", "` and `": "`)."""
     if c.kind == "json_object":
         return json_schema_grammar(xgr, json.dumps({"type": "object"}), strict_mode=False)
     if c.kind == "json_schema":

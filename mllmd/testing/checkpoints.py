@@ -183,7 +183,9 @@ def _parse_args(argv: Iterable[str] | None) -> argparse.Namespace:
         prog="python -m mllmd.testing.checkpoints",
         description="Build a small random-weight checkpoint from a real Qwen config (weights are random).",
     )
-    parser.add_argument("--source", default="Qwen3-0.6B", help="name under shared/models, or a folder")
+    parser.add_argument("--source", default="Qwen3-0.6B",
+                        help="a real config vendored in mllmd/checkpoint/data (Qwen3-0.6B, Qwen3-8B, "
+                             "Qwen3-VL-2B-Instruct, Qwen3.5-0.8B/2B/4B/9B), or a folder with a config.json")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64)
