@@ -449,14 +449,19 @@ def test_output_token_default_and_cap() -> None:
 def test_sighup_before_ready_does_not_announce_ready() -> None:
     """A SIGHUP while the model still loads (logrotate, kill -HUP) sent READY=1 after its RELOADING=1, so
     systemd started the units ordered after mllmd before it could serve. READY=1 follows a reload only
-    once the daemon has announced it is ready."""
+    once the daemon has announced it is ready, and so does RELOADING=1 (systemd acts on it only for a
+    running service; with MONOTONIC_USEC= it matches the reload to its SIGHUP)."""
     from types import SimpleNamespace
 
     from mllmd.daemon.main import Daemon
+    from mllmd.daemon.sd_notify import Notifier
 
-    for announced, expected in ((False, ["RELOADING=1"]), (True, ["RELOADING=1", "READY=1"])):
+    for announced, expected in ((False, []), (True, ["RELOADING=1", "READY=1"])):
         sent: list[str] = []
-        fake = SimpleNamespace(notifier=SimpleNamespace(send=sent.append), reload_config=lambda: None,
-                               _announced_ready=announced)
+        notifier = Notifier()
+        notifier.send = sent.append  # type: ignore[method-assign]
+        fake = SimpleNamespace(notifier=notifier, reload_config=lambda: None, _announced_ready=announced)
         Daemon._on_sighup(fake)  # type: ignore[arg-type]
-        assert sent == expected
+        assert [line.split("\n")[0] for line in sent] == expected
+        if announced:
+            assert sent[0].startswith("RELOADING=1\nMONOTONIC_USEC=")
