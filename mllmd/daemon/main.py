@@ -326,12 +326,12 @@ class Daemon:
             raise ModelError(f"a load is already in progress ({self.pending.engine.model_path})")
         check_ml_stack()
         facts = inspect_model(path)
-        check_loadable(facts)
+        engine = self._engine_for(path, overrides)
+        check_loadable(facts, max_running_requests=engine.max_running_requests, context=engine.context_length)
         try:
             self.config.check_quantization(facts.quantization)
         except ConfigError as e:
             raise ModelError(str(e)) from None
-        engine = self._engine_for(path, overrides)
         check_tokenizer(engine.tokenizer_path or path)
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
