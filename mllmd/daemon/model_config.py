@@ -1,15 +1,18 @@
-"""A model folder's config.json, checked in the main process before any worker allocates.
+"""A model folder's config.json and links, checked in the main process before any worker allocates.
 
 A folder may come from anyone: its config.json sizes the tensors the scheduler worker creates before it
 reads a weight (vocab_size 10^9 asked the allocator for 256 GB, max_position_embeddings 10^12 for 8 TB
-of request table). So every size must be a positive integer under a bound far above any real
-Qwen model, what the sizes imply must fit in memory (`config_weight_bytes`, a lower bound). Each refusal
-names the key.
+of request table), and a file in it may be a link to anywhere (a generation_config.json linked to
+/etc/passwd was read, a tokenizer.json linked outside model.models_dir loaded). So every size must be
+a positive integer under a bound far above any real Qwen model, what the sizes imply must fit in
+memory (`config_weight_bytes`, a lower bound), and every file of the folder must resolve inside the
+folder or a models dir. Each refusal names the key or the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,7 @@ VISION_BOUNDS = {
 
 
 class ConfigCheckError(ValueError):
-    """config.json is refused; the message names the key."""
+    """config.json or a link of the folder is refused; the message names the key or the file."""
 
 
 def read_config(root: Path) -> dict[str, Any]:
@@ -114,3 +117,20 @@ def context_length(config: dict[str, Any]) -> int | None:
     v = text_config(config).get("max_position_embeddings")
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
+
+
+def check_links(root: Path, roots: list[Path] | tuple[Path, ...] = ()) -> None:
+    """Every entry of the folder must resolve (links followed) inside it or inside one of `roots`
+    (the models dirs): a link to a file elsewhere would have the workers read it."""
+    real_root = root.resolve()
+    allowed = [real_root, *(Path(r).resolve() for r in roots)]
+    for entry in sorted(root.iterdir()):
+        if not entry.is_symlink():
+            continue
+        try:
+            real = Path(os.path.realpath(entry, strict=True))
+        except (OSError, RuntimeError):
+            raise ConfigCheckError(f"{entry.name} is a broken or looping link") from None
+        if not any(real == a or a in real.parents for a in allowed):
+            raise ConfigCheckError(f"{entry.name} is a link to {real}, outside the model folder and "
+                                   "model.models_dir: a model folder's files must lie inside them")

@@ -20,6 +20,7 @@ from typing import Any
 from mllmd.daemon.model_config import (
     ConfigCheckError,
     check_config,
+    check_links,
     config_weight_bytes,
     context_length,
     read_config,
@@ -136,12 +137,14 @@ def _weight_files(root: Path) -> list[Path]:
         raise ModelError(str(e)) from None
 
 
-def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
-    """Read config.json and the weight headers; ModelError says what is missing or wrong."""
+def inspect_model(path: str | os.PathLike[str], roots: list[str] | tuple[str, ...] = ()) -> ModelFacts:
+    """Read config.json and the weight headers; ModelError says what is missing or wrong. Every file of
+    the folder must resolve inside it or inside one of `roots` (the models dirs)."""
     root = Path(path)
     if not root.is_dir():
         raise ModelError(f"{root} is not a folder")
     try:
+        check_links(root, [Path(r) for r in roots])
         config = read_config(root)
         check_config(config)
     except FileNotFoundError:
@@ -213,13 +216,13 @@ def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]
                     continue
                 if not (sub / "config.json").is_file():
                     continue
-                facts = inspect_model(sub)
+                facts = inspect_model(sub, [str(base)])
                 error = None
                 try:
                     if facts.architecture not in SUPPORTED_ARCHITECTURES:
                         raise ModelError(f"unsupported architecture {facts.architecture!r} (supported: "
                                          f"{', '.join(SUPPORTED_ARCHITECTURES)})")
-                    check_tokenizer(sub)
+                    check_tokenizer(sub, [str(base)])
                 except ModelError as e:  # what could be read is still shown, with why it cannot load
                     error = str(e)
                 out.append(facts.to_dict() | {"error": error})
@@ -268,10 +271,16 @@ def resolve_in_models_dirs(ref: str, models_dirs: list[str] | tuple[str, ...], w
     raise ModelError(f"no model folder {ref!r} under {dirs} (model.models_dir)")
 
 
-def check_tokenizer(folder: str | os.PathLike[str]) -> None:
+def check_tokenizer(folder: str | os.PathLike[str], roots: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse a folder without tokenizer files (transformers would build an empty tokenizer from it,
-    and every request would then fail)."""
+    and every request would then fail), or with a file that resolves outside it and `roots`."""
     root = Path(folder)
+    try:
+        check_links(root, [Path(r) for r in roots])
+    except ConfigCheckError as e:
+        raise ModelError(str(e)) from None
+    except OSError as e:
+        raise ModelError(f"{root} cannot be read: {e.strerror or e}") from None
     for names in TOKENIZER_FILES:
         if all((root / n).is_file() and (root / n).stat().st_size > 0 for n in names):
             return

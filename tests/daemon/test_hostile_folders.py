@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from mllmd.daemon.models import ModelError, check_loadable, find_models, inspect_model
+from mllmd.daemon.models import ModelError, check_loadable, check_tokenizer, find_models, inspect_model
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 16, "hidden_size": 8,
           "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
@@ -134,3 +134,40 @@ def test_one_bad_folder_does_not_break_the_listing(tmp_path: Path) -> None:
     assert "must hold a JSON object" in rows["list"]["error"]
     assert "shape must be a list" in rows["shape"]["error"]
     assert rows["good"]["architecture"] == "Qwen3ForCausalLM"
+
+
+@pytest.mark.parametrize("name", ["generation_config.json", "tokenizer.json", "model.safetensors", "config.json"])
+def test_a_file_linked_outside_the_models_dirs_is_refused(tmp_path: Path, name: str) -> None:
+    """Before: a folder inside model.models_dir whose generation_config.json linked to /etc/passwd had
+    it read by the scheduler worker; a tokenizer.json or weights linked elsewhere loaded from there."""
+    models, outside = tmp_path / "models", tmp_path / "outside"
+    models.mkdir()
+    root = _folder(models / "m")
+    _folder(outside)
+    (outside / "tokenizer.json").write_text("{}")
+    (outside / "generation_config.json").write_text("{}")
+    (root / name).unlink(missing_ok=True)
+    (root / name).symlink_to(outside / name)
+    with pytest.raises(ModelError, match=f"{name} is a link to .*outside the model folder and model.models_dir"):
+        inspect_model(root, [str(models)])
+    with pytest.raises(ModelError, match=f"{name} is a link to"):
+        check_tokenizer(root, [str(models)])
+    assert "is a link to" in find_models([str(models)])[0]["error"]
+
+
+def test_links_inside_the_models_dirs_are_fine(tmp_path: Path) -> None:
+    """A Hugging Face cache laid out in a models dir: snapshot files link to ../../blobs."""
+    models = tmp_path / "models"
+    blobs, snap = models / "hub" / "blobs", models / "hub" / "snapshots"
+    blobs.mkdir(parents=True)
+    snap.mkdir()
+    (blobs / "cfg").write_text(json.dumps(CONFIG))
+    root = _folder(snap / "abc")
+    (root / "config.json").unlink()
+    (root / "config.json").symlink_to("../../blobs/cfg")
+    assert inspect_model(root, [str(models)]).architecture == "Qwen3ForCausalLM"
+    with pytest.raises(ModelError, match="config.json is a link to"):
+        inspect_model(root)  # no models dir given: only the folder itself
+    (root / "loop").symlink_to(root / "loop")
+    with pytest.raises(ModelError, match="loop is a broken or looping link"):
+        inspect_model(root, [str(models)])
