@@ -325,14 +325,14 @@ class Daemon:
         if self.pending is not None:
             raise ModelError(f"a load is already in progress ({self.pending.engine.model_path})")
         check_ml_stack()
-        facts = inspect_model(path)
-        check_loadable(facts)
+        facts = inspect_model(path, self.config.model.models_dir)
+        engine = self._engine_for(path, overrides)
+        check_loadable(facts, max_running_requests=engine.max_running_requests, context=engine.context_length)
         try:
             self.config.check_quantization(facts.quantization)
         except ConfigError as e:
             raise ModelError(str(e)) from None
-        engine = self._engine_for(path, overrides)
-        check_tokenizer(engine.tokenizer_path or path)
+        check_tokenizer(engine.tokenizer_path or path, self.config.model.models_dir)
         name = served_name or self.config.served_model_name(path) or facts.name
         slot = ModelSlot(engine, facts, name, self._policy(), self.config.logging.level, self.zctx,
                          self._on_slot_message, self._on_worker_lost, self.config.model.chat_template,

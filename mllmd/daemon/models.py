@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mllmd.daemon.model_config import (
+    ConfigCheckError,
+    check_config,
+    check_links,
+    config_weight_bytes,
+    context_length,
+    read_config,
+)
 from mllmd.models import SUPPORTED_ARCHITECTURES
 from mllmd.models.weight_files import INDEX_NAME, WeightFilesError, weight_files
 
@@ -29,7 +38,8 @@ _TORCH_DTYPE_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF1
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+                "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
 MIN_KV_TOKENS = 2048
 
 
@@ -49,35 +59,60 @@ class ModelFacts:
     weight_bytes: int
     kv_bytes_per_token: int | None
     takes_images: bool = False  # the config has a vision tower (Qwen3-VL, Qwen3.5)
+    config_bytes: int = 0  # what config.json's sizes imply the parameters take (a lower bound)
+    context_length: int | None = None  # max_position_embeddings
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def _read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (names, dtypes, shapes)."""
+    """The JSON header of a safetensors file (names, dtypes, shapes), each entry checked: a known dtype,
+    a shape of non-negative integers, data offsets that hold exactly its bytes inside the file."""
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
                 raise ModelError(f"weights file {path.name} is truncated")
             (n,) = struct.unpack("<Q", raw)
-            if n <= 0 or n > 100 * 1024 * 1024:
+            if n <= 0 or n > MAX_HEADER_BYTES:
                 raise ModelError(f"weights file {path.name} is corrupt (header length {n})")
-            header = json.loads(f.read(n))
+            text = f.read(n)
         size = path.stat().st_size
     except OSError as e:
         raise ModelError(f"cannot read weights file {path.name}: {e.strerror or e}") from None
+    try:
+        header = json.loads(text)
     except ValueError:
-        raise ModelError(f"weights file {path.name} is corrupt (its header is not valid JSON)") from None
-    end = 8 + n
+        header = None
+    if not isinstance(header, dict):
+        raise ModelError(f"weights file {path.name} is corrupt (its header is not a JSON object)")
     for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
-        if not offsets or end + offsets[1] > size:
-            raise ModelError(f"weights file {path.name} is truncated or corrupt (tensor {name!r} lies past its end)")
+        if name != "__metadata__":
+            _check_entry(path.name, name, meta, size - 8 - n)
     return header
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_entry(file: str, name: str, meta: Any, data_bytes: int) -> None:
+    what = f"weights file {file}, tensor {name[:200]!r}"
+    if not isinstance(meta, dict):
+        raise ModelError(f"{what}: its entry is not an object")
+    dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if dtype not in _DTYPE_BYTES:
+        raise ModelError(f"{what}: unsupported dtype {dtype!r:.40} (supported: {', '.join(_DTYPE_BYTES)})")
+    if not isinstance(shape, list) or len(shape) > 8 or not all(map(_is_count, shape)):
+        raise ModelError(f"{what}: its shape must be a list of at most 8 non-negative integers (got {shape!r:.60})")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            and offsets[0] <= offsets[1]):  # fmt: skip
+        raise ModelError(f"{what}: its data_offsets must be [begin, end] with 0 <= begin <= end (got {offsets!r:.60})")
+    if offsets[1] > data_bytes:
+        raise ModelError(f"weights file {file} is truncated or corrupt (tensor {name[:200]!r} lies past its end)")
+    if offsets[1] - offsets[0] != math.prod(shape) * _DTYPE_BYTES[dtype]:
+        raise ModelError(f"{what}: shape {shape} of {dtype} does not match its {offsets[1] - offsets[0]} bytes")
 
 
 def quantization_of(config: dict[str, Any]) -> str | None:
@@ -102,34 +137,37 @@ def _weight_files(root: Path) -> list[Path]:
         raise ModelError(str(e)) from None
 
 
-def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
-    """Read config.json and the weight headers; ModelError says what is missing or wrong."""
+def inspect_model(path: str | os.PathLike[str], roots: list[str] | tuple[str, ...] = ()) -> ModelFacts:
+    """Read config.json and the weight headers; ModelError says what is missing or wrong. Every file of
+    the folder must resolve inside it or inside one of `roots` (the models dirs)."""
     root = Path(path)
     if not root.is_dir():
         raise ModelError(f"{root} is not a folder")
     try:
-        config = json.loads((root / "config.json").read_text())
+        check_links(root, [Path(r) for r in roots])
+        config = read_config(root)
+        check_config(config)
     except FileNotFoundError:
         raise ModelError(f"{root} has no config.json") from None
-    except (OSError, ValueError) as e:
-        raise ModelError(f"config.json is unreadable: {e}") from None
+    except ConfigCheckError as e:
+        raise ModelError(str(e)) from None
+    except OSError as e:
+        raise ModelError(f"config.json is unreadable: {e.strerror or e}") from None
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
     files = _weight_files(root)
     params = weight_bytes = 0
     dtypes: dict[str, int] = {}
     index = root / INDEX_NAME
-    expected = set(json.loads(index.read_text())["weight_map"]) if index.is_file() else None
+    expected = set(json.loads(index.read_text())["weight_map"]) if index.is_file() else None  # checked by _weight_files
     seen: set[str] = set()
     for f in files:
         for name, meta in _read_header(f).items():
             if name == "__metadata__":
                 continue
-            count = 1
-            for d in meta["shape"]:
-                count *= d
+            count = math.prod(meta["shape"])
             params += count
-            nbytes = count * _DTYPE_BYTES.get(meta["dtype"], 1)
+            nbytes = count * _DTYPE_BYTES[meta["dtype"]]
             weight_bytes += nbytes
             dtypes[meta["dtype"]] = dtypes.get(meta["dtype"], 0) + nbytes
             seen.add(name)
@@ -149,7 +187,7 @@ def inspect_model(path: str | os.PathLike[str]) -> ModelFacts:
              or (_TORCH_DTYPE_NAMES.get(max(dtypes, key=dtypes.__getitem__)) if dtypes else None))
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token,
-                      isinstance(config.get("vision_config"), dict))
+                      isinstance(config.get("vision_config"), dict), config_weight_bytes(config), context_length(config))
 
 
 def _inside(real: Path, allowed: list[Path]) -> bool:
@@ -178,13 +216,13 @@ def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]
                     continue
                 if not (sub / "config.json").is_file():
                     continue
-                facts = inspect_model(sub)
+                facts = inspect_model(sub, [str(base)])
                 error = None
                 try:
                     if facts.architecture not in SUPPORTED_ARCHITECTURES:
                         raise ModelError(f"unsupported architecture {facts.architecture!r} (supported: "
                                          f"{', '.join(SUPPORTED_ARCHITECTURES)})")
-                    check_tokenizer(sub)
+                    check_tokenizer(sub, [str(base)])
                 except ModelError as e:  # what could be read is still shown, with why it cannot load
                     error = str(e)
                 out.append(facts.to_dict() | {"error": error})
@@ -233,10 +271,16 @@ def resolve_in_models_dirs(ref: str, models_dirs: list[str] | tuple[str, ...], w
     raise ModelError(f"no model folder {ref!r} under {dirs} (model.models_dir)")
 
 
-def check_tokenizer(folder: str | os.PathLike[str]) -> None:
+def check_tokenizer(folder: str | os.PathLike[str], roots: list[str] | tuple[str, ...] = ()) -> None:
     """Refuse a folder without tokenizer files (transformers would build an empty tokenizer from it,
-    and every request would then fail)."""
+    and every request would then fail), or with a file that resolves outside it and `roots`."""
     root = Path(folder)
+    try:
+        check_links(root, [Path(r) for r in roots])
+    except ConfigCheckError as e:
+        raise ModelError(str(e)) from None
+    except OSError as e:
+        raise ModelError(f"{root} cannot be read: {e.strerror or e}") from None
     for names in TOKENIZER_FILES:
         if all((root / n).is_file() and (root / n).stat().st_size > 0 for n in names):
             return
@@ -263,15 +307,21 @@ def check_ml_stack() -> None:
                              "(install PyTorch for this device; see the README)")
 
 
-def check_loadable(facts: ModelFacts, budget_bytes: int | None = None) -> None:
-    """Refuse a model we cannot run: unsupported architecture, too big for memory."""
+def check_loadable(facts: ModelFacts, budget_bytes: int | None = None, max_running_requests: int = 0,
+                   context: int | None = None) -> None:
+    """Refuse a model we cannot run: unsupported architecture, too big for memory. What it needs is
+    counted before any worker allocates: the weights (or what config.json's sizes make them, if more),
+    MIN_KV_TOKENS of KV and the request table (`max_running_requests` rows of `context` positions)."""
     if facts.architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"unsupported architecture {facts.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     budget = budget_bytes if budget_bytes is not None else _mem_available()
     if budget is not None:
-        need = facts.weight_bytes + (facts.kv_bytes_per_token or 0) * MIN_KV_TOKENS
+        table = max_running_requests * (context or facts.context_length or 0) * 8  # int64 KV indices
+        weights = max(facts.weight_bytes, facts.config_bytes)
+        need = weights + (facts.kv_bytes_per_token or 0) * MIN_KV_TOKENS + table
         if need > budget:
-            raise ModelError(f"the model needs about {need / 2**30:.1f} GiB (weights + {MIN_KV_TOKENS} tokens of KV) "
-                             f"but only {budget / 2**30:.1f} GiB is available")
+            why = " as config.json sizes them" if facts.config_bytes > facts.weight_bytes else ""
+            raise ModelError(f"the model needs about {need / 2**30:.1f} GiB (weights{why}, {MIN_KV_TOKENS} tokens of "
+                             f"KV, a request table of {table / 2**30:.1f} GiB) but only {budget / 2**30:.1f} GiB is available")

@@ -23,8 +23,9 @@ from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
 from mllmd.engine.state_pool import StatePool
 from mllmd.engine.step_cost import MIN_CAPPED_TOKENS
 
-# prompt tokens a step computes for a request that wants their logprobs: 512 rows of a 151,936-token
-# vocabulary are 311 MB of float32 logits
+# prompt tokens a step computes for the requests that want their logprobs, all of them together: 512
+# rows of a 151,936-token vocabulary are 311 MB of float32 logits (per request, 16 requests of a batch
+# made one step of 8,192 rows: 5 GB, twice that with the log-softmax)
 PROMPT_LOGPROB_CHUNK = 512
 
 
@@ -83,6 +84,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.chunk_size = chunked_prefill_size if chunked_prefill_size > 0 else None
+        self._prompt_rows_left = PROMPT_LOGPROB_CHUNK
         self.prefill_wait_s = prefill_wait_s
         self.clock = clock
         self.encoder_tokens_per_step = encoder_tokens_per_step
@@ -208,6 +210,7 @@ class Scheduler:
         lens: list[int] = []
         slots: list[torch.Tensor] = []
         budget = self._stall_capped(self.max_prefill_tokens)
+        self._prompt_rows_left = PROMPT_LOGPROB_CHUNK  # prompt-logprob rows this step may still compute
         self._encoding: set[bytes] = set()  # images this step encodes
         self._encoder_left = self.encoder_tokens_per_step
 
@@ -246,6 +249,7 @@ class Scheduler:
             lens.append(n)
             slots.append(got)
             budget -= n
+            self._take_prompt_rows(req, n)
             i += 1
 
         # Waiting requests, strictly in order, while budget, request slots and KV allow.
@@ -282,6 +286,7 @@ class Scheduler:
             lens.append(n)
             slots.append(got)
             budget -= n
+            self._take_prompt_rows(req, n)
 
         if not reqs:
             return None
@@ -362,14 +367,22 @@ class Scheduler:
 
     def _align(self, req: Req, n: int) -> int:
         """A hybrid model's prefill chunk ends at the next multiple of the snapshot interval it crosses;
-        a prompt whose logprobs are wanted goes PROMPT_LOGPROB_CHUNK tokens a step (each of its tokens
-        takes a row of float32 logits, vocabulary-wide)."""
-        if req.params.prompt_logprobs and req.kv_len < len(req.prompt_ids) - 1:
-            n = min(n, PROMPT_LOGPROB_CHUNK)
+        prompts whose logprobs are wanted share PROMPT_LOGPROB_CHUNK tokens a step (each of their tokens
+        takes a row of float32 logits, vocabulary-wide): 0 when the step has none left."""
+        if self._wants_prompt_rows(req):
+            n = min(n, self._prompt_rows_left)
         if not self.snapshot_interval or n <= 1:
             return n
         boundary = (req.kv_len // self.snapshot_interval + 1) * self.snapshot_interval
         return min(n, boundary - req.kv_len)
+
+    @staticmethod
+    def _wants_prompt_rows(req: Req) -> bool:
+        return req.params.prompt_logprobs and req.kv_len < len(req.prompt_ids) - 1
+
+    def _take_prompt_rows(self, req: Req, n: int) -> None:
+        if self._wants_prompt_rows(req):
+            self._prompt_rows_left -= n
 
     def _chunk_cap(self, budget: int) -> int:
         return budget if self.chunk_size is None else min(budget, self.chunk_size)

@@ -32,6 +32,7 @@ from mllmd_kernels import rope
 from torch import nn
 
 from mllmd.models.layers.dispatch import fused_kernels
+from mllmd.models.layers.linear import check_tensor_dtype
 
 VISUAL_PREFIX = "model.visual."
 
@@ -377,6 +378,7 @@ class Qwen3VLVisionModel(nn.Module):
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}"
                 )
+            check_tensor_dtype(name, tensor, param.dtype)
             with torch.no_grad():
                 param.copy_(tensor)
             loaded.add(key)

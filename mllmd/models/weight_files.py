@@ -20,8 +20,12 @@ def weight_files(model_dir: str | Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError):
-            raise WeightFilesError(f"{INDEX_NAME} is not a valid safetensors index") from None
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise WeightFilesError(f"{INDEX_NAME} is not a valid safetensors index")
         names = sorted(set(weight_map.values()))
+        if any(Path(n).name != n for n in names):  # a shard is a file of the folder, never a path
+            raise WeightFilesError(f"{INDEX_NAME} names a shard outside the model folder")
         missing = [n for n in names if not (root / n).is_file()]
         if missing:
             raise WeightFilesError(f"weights are incomplete: {INDEX_NAME} names missing files {', '.join(missing)}")

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from mllmd.models.layers.linear import Linear, MergedLinear
+from mllmd.models.layers.linear import Linear, MergedLinear, check_tensor_dtype
 
 # checkpoint sub-module name -> (fused module name, shard)
 StackedParams = Mapping[str, tuple[str, str]]
@@ -56,6 +56,10 @@ def load_weights(
             raise ValueError(f"unexpected weight {ckpt_name!r} in checkpoint")
         if params[name].shape != tensor.shape:
             raise ValueError(f"weight {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+        try:
+            check_tensor_dtype("its tensor", tensor, params[name].dtype)
+        except ValueError as e:
+            raise ValueError(f"weight {ckpt_name!r}: {e}") from None
         params[name].data.copy_(tensor)
         loaded.add(name)
     _check_complete(model, params, loaded)

@@ -46,7 +46,7 @@ from mllmd.multimodal.image_io import ImageError
 from mllmd.multimodal.transport import TransportFull
 from mllmd.sampling_params import InvalidSamplingParam, OutputConstraint, choice_params, fit_max_tokens
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
-from mllmd.workers import ipc
+from mllmd.workers import ipc, template_limits
 from mllmd.workers.base import WorkerContext, worker_main
 from mllmd.workers.chat_messages import template_messages
 from mllmd.workers.tokenize_jobs import TokenizeJobs
@@ -251,6 +251,7 @@ def run(wctx: WorkerContext) -> None:
     from transformers import AutoTokenizer
 
     path = wctx.settings["tokenizer_path"]
+    template_limits.install()  # the folder's chat template is bounded in time and size
     tokenizer = AutoTokenizer.from_pretrained(path)
     check_tokenizer(tokenizer, path)
     chat_template = None

@@ -72,3 +72,33 @@ def test_prompt_logprobs_survive_preemption(qwen3_tied: Path, reference: tuple[l
     for out in firsts.values():
         assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids) - 1
         torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-4, rtol=1e-4)
+
+
+def test_the_prompt_logprob_rows_of_a_step_are_bounded_for_all_requests_together(
+        qwen3_tied: Path, reference: tuple[list[int], torch.Tensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the cap held per request, so a batch of prompts with echo + logprobs put 512 rows of each
+    in one step (16 of them: 8,192 vocabulary-wide float32 rows, 5 GB); now the step's prompt rows,
+    all requests together, stay within PROMPT_LOGPROB_CHUNK, and every request still gets them all."""
+    monkeypatch.setattr("mllmd.engine.scheduler.PROMPT_LOGPROB_CHUNK", 6)
+    ids, want = reference
+    llm = LLM(str(qwen3_tied))
+    engine = llm.engine
+    rows_per_step: list[int] = []
+    forward = engine.runner.forward
+
+    def counting(batch: object) -> torch.Tensor:
+        rows_per_step.append(sum(count for _, _, count in batch.prompt_spans))  # type: ignore[attr-defined]
+        return forward(batch)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.runner, "forward", counting)
+    for i in range(4):
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=True))
+    firsts = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids and out.rid not in firsts:
+                firsts[out.rid] = out
+    assert max(rows_per_step) <= 6 and sum(rows_per_step) == 4 * (len(ids) - 1), rows_per_step
+    for out in firsts.values():
+        assert out.prompt_logprobs is not None
+        torch.testing.assert_close(torch.tensor(out.prompt_logprobs), want, atol=2e-4, rtol=1e-4)

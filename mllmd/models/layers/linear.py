@@ -118,9 +118,7 @@ class Linear(nn.Module):
                 f"{name} has shape {tuple(loaded.shape)}, expected {(size, *target.shape[1:])}"
                 + (f" for shard {shard!r}" if shard is not None else "")
             )
-        if not target.dtype.is_floating_point and loaded.dtype.is_floating_point:
-            # Packed or quantized integers stored as floats would be rounded into other numbers.
-            raise ValueError(f"{name} is {loaded.dtype}, expected integers ({target.dtype})")
+        check_tensor_dtype(name, loaded, target.dtype)
         target.data[offset : offset + size].copy_(loaded)
         return True
 
@@ -132,6 +130,15 @@ class Linear(nn.Module):
         """Let the quantized layer's kernel prepare its weights (no-op when unquantized)."""
         if self.quant_method is not None:
             self.quant_method.process_weights_after_loading(self)
+
+
+def check_tensor_dtype(name: str, loaded: torch.Tensor, target: torch.dtype) -> None:
+    """A checkpoint tensor must be of the parameter's kind: copy_ converts any dtype into any other, so
+    packed or quantized integers stored as floats would be rounded into other numbers, and integers
+    or booleans in a float weight (a checkpoint whose header says I32 for it) loaded as garbage."""
+    if target.is_floating_point != loaded.dtype.is_floating_point or (loaded.dtype == torch.bool) != (target == torch.bool):
+        kind = "a floating-point tensor" if target.is_floating_point else "integers"
+        raise ValueError(f"{name} is {loaded.dtype}, expected {kind} ({target})")
 
 
 def norm_prologue(rows: NormRows) -> RowPrologue:

@@ -1,0 +1,113 @@
+"""Bounds on what rendering a chat template may cost (tokenizer worker).
+
+A chat template comes in the model folder, from whoever published it. transformers renders it in
+Jinja's sandbox, which keeps it away from Python's internals but not from the CPU or memory: a
+template `{{ 'x' * 10**10 }}` built a 10 GB string, and two nested loops over `range(99999)` ran for
+ever; either stalled the tokenizer worker until its heartbeat timed out (every chat request then
+failed, and other clients' requests with it). `install()` makes transformers compile templates in
+`BoundedSandbox`: a repetition (`*`) may build at most MAX_REPEAT_ITEMS characters or items, a power
+(`**`) and a product of integers build at most MAX_INT_BITS bits, and a render ends after MAX_RENDER_SECONDS (a trace
+function checks the time while the template's Python code runs). Either is a TemplateError, which the
+worker answers as a 400 for that request.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+from jinja2 import Template
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+MAX_REPEAT_ITEMS = 1 << 22  # 4 Mi characters (a prompt of the longest context is a few MB)
+MAX_INT_BITS = 1 << 16  # an integer a product or a power builds (10 ** 10 ** 10 chained: for ever)
+MAX_RENDER_SECONDS = 5.0  # Qwen's templates render a 10,000-message chat in well under a second
+
+logger = logging.getLogger("mllmd.template")
+
+
+class TemplateLimitError(TemplateError):
+    """The chat template went past a bound of this module."""
+
+
+@contextmanager
+def render_deadline(seconds: float | None = None) -> Iterator[None]:
+    """Raise TemplateLimitError in the Python code run within, in this thread, once `seconds`
+    (MAX_RENDER_SECONDS) passed (checked every 16 traced lines and calls; the thread's previous
+    trace function comes back)."""
+    seconds = MAX_RENDER_SECONDS if seconds is None else seconds
+    end = time.monotonic() + seconds
+    count = 0
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += 1
+        if not count & 15 and time.monotonic() > end:
+            raise TemplateLimitError(f"the chat template ran for more than {seconds:g} s")
+        return trace
+
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+class BoundedTemplate(Template):
+    """A template whose render (whole or streamed) stops at MAX_RENDER_SECONDS."""
+
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        with render_deadline():
+            return super().render(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Iterator[str]:
+        with render_deadline():
+            yield from super().generate(*args, **kwargs)
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox with `*` and `**` checked (intercepted operators are also never
+    folded into constants when the template compiles, where `10 ** 10 ** 10` would run for ever)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+    template_class = BoundedTemplate
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_REPEAT_ITEMS:
+                    raise TemplateLimitError(f"the chat template repeats a value into more than {MAX_REPEAT_ITEMS} items")
+            if _is_int(left) and _is_int(right) and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+                raise TemplateLimitError(f"the chat template builds an integer of more than {MAX_INT_BITS} bits")
+        if operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 and right > 0:
+            if left.bit_length() * right > MAX_INT_BITS:
+                raise TemplateLimitError(f"the chat template builds an integer of more than {MAX_INT_BITS} bits")
+        return super().call_binop(context, operator, left, right)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def install() -> bool:
+    """Have transformers compile chat templates in BoundedSandbox (its compile cache emptied); False,
+    logged, where this transformers does not build them as expected."""
+    try:
+        from transformers.utils import chat_template_utils as ctu
+
+        if ctu.ImmutableSandboxedEnvironment is not BoundedSandbox:
+            assert ctu.ImmutableSandboxedEnvironment is ImmutableSandboxedEnvironment
+            ctu.ImmutableSandboxedEnvironment = BoundedSandbox  # type: ignore[misc]
+            ctu._compile_jinja_template.cache_clear()
+        return True
+    except (ImportError, AttributeError, AssertionError):
+        logger.warning("chat templates render without mllmd's time and size bounds: this transformers "
+                       "does not compile them as mllmd expects")
+        return False
