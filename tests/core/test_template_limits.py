@@ -63,3 +63,36 @@ def test_real_templates_render_as_before(tokenizer: Any) -> None:
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert render(tokenizer, "{{ '-' * 3 }}{{ 2 ** 10 }}{{ 3 * 4 }}{{ 2.0 ** 0.5 > 1 }}") == "---102412True"
+
+
+def test_the_main_thread_is_stopped_by_an_alarm_at_no_cost_per_line(tmp_path: Path) -> None:
+    """The tokenizer worker renders generation requests in its main thread, where nothing else uses
+    SIGALRM: the deadline is an alarm there (a trace function made every render 3-4x slower), and it
+    stops a template that never ends; the alarm is disarmed after a render that ends in time.
+    (pytest-timeout holds SIGALRM in this process, so a child process shows it.)"""
+    import subprocess
+    import sys
+
+    code = f"""
+import signal, time
+from transformers import AutoTokenizer
+from mllmd.checkpoint.tokenizer import build_qwen_tokenizer
+from mllmd.workers import template_limits
+build_qwen_tokenizer({str(tmp_path)!r})
+template_limits.install()
+template_limits.MAX_RENDER_SECONDS = 0.5
+tok = AutoTokenizer.from_pretrained({str(tmp_path)!r})
+assert template_limits._alarm_is_free()
+msgs = [{{"role": "user", "content": "hi"}}]
+assert tok.apply_chat_template(msgs, tokenize=False).startswith("<|im_start|>user")
+assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0) and signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+start = time.monotonic()
+try:
+    tok.apply_chat_template(msgs, chat_template="{{% for i in range(99999) %}}{{% for j in range(99999) %}}{{% endfor %}}{{% endfor %}}", tokenize=False)
+except template_limits.TemplateLimitError as e:
+    print("stopped", round(time.monotonic() - start, 1), e)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "stopped" in out.stdout and "ran for more than 0.5 s" in out.stdout, out.stdout
+    assert float(out.stdout.split()[1]) < 5
