@@ -9,6 +9,7 @@ import pytest
 
 from mllmd import LLM, SamplingParams
 from mllmd.engine.request import AdmissionError
+from mllmd.testing.engine_steps import run_to_end
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 
@@ -53,13 +54,7 @@ def test_a_prefix_still_being_prefilled_is_shared(qwen3_tied: Path) -> None:
         engine.step()
     assert sched.running[0].kv_len < len(first) - 1, "the first prompt was meant to be still prefilling"
     engine.add_request("second", second, GREEDY)
-    outs: dict[str, list[int]] = {}
-    cached: dict[str, int] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finished:
-                cached[o.rid] = o.cached_tokens
+    outs, cached = run_to_end(engine)
     assert cached == {"first": 0, "second": 192}
     cold = LLM(str(qwen3_tied), dtype="float32", disable_radix_cache=True)
     assert [outs["first"], outs["second"]] == [o.token_ids for o in cold.generate([first, second], GREEDY)]

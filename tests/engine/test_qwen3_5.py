@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from mllmd import LLM, SamplingParams
 from mllmd.testing import checkpoints as ck
+from mllmd.testing.engine_steps import run_to_end
 
 NEW = 64
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
@@ -132,13 +133,7 @@ def test_a_snapshot_taken_while_prefilling_serves_a_request_that_arrives_meanwhi
     while sched.waiting or sched.running[0].kv_len < 96:
         engine.step()
     engine.add_request("second", second, GREEDY)
-    outs: dict[str, list[int]] = {}
-    cached: dict[str, int] = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            outs.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finished:
-                cached[o.rid] = o.cached_tokens
+    outs, cached = run_to_end(engine)
     assert cached == {"first": 0, "second": 64}
     assert [outs["first"], outs["second"]] == [hf_greedy(hf, first), hf_greedy(hf, second)]
     assert engine.is_idle_and_clean()

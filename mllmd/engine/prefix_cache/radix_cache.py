@@ -60,8 +60,14 @@ class RadixCache(PrefixCache):
 
     # ---- queries -------------------------------------------------------------------------
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        now = next(self._clock)
-        node, values = self.root, []
+        _, node, values = self._walk(self.root, key, next(self._clock))
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(indices=indices, last_node=node)
+
+    def _walk(self, node: TreeNode, key: Sequence[int], now: int) -> tuple[int, TreeNode, list[torch.Tensor]]:
+        """Follow `key` down from `node` as far as the tree has it, splitting the edge where it stops
+        inside one: (tokens followed, the node that ends there, the slots of each edge passed)."""
+        values: list[torch.Tensor] = []
         i = 0
         while i < len(key):
             child = node.children.get(key[i])
@@ -74,8 +80,7 @@ class RadixCache(PrefixCache):
             values.append(child.value)
             node = child
             i += n
-        indices = torch.cat(values) if values else self._empty()
-        return MatchResult(indices=indices, last_node=node)
+        return i, node, values
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -125,18 +130,7 @@ class RadixCache(PrefixCache):
         if value.numel() != len(key):
             raise ValueError(f"extend: {len(key)} tokens but {value.numel()} slots")
         now = next(self._clock)
-        values: list[torch.Tensor] = []
-        i = 0
-        while i < len(key):
-            child = node.children.get(key[i])
-            if child is None:
-                break
-            n = _common_len(child.key, key[i : i + len(child.key)])
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access_time = now
-            values.append(child.value)
-            node, i = child, i + n
+        i, node, values = self._walk(node, key, now)
         cached = torch.cat(values) if values else self._empty()
         if i < len(key):
             node = self._add_leaf(node, tuple(key[i:]), value[i:].to(torch.int64, copy=True), now)
