@@ -13,12 +13,14 @@ worker answers as a 400 for that request.
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
@@ -101,12 +103,35 @@ class BoundedTemplate(Template):
             yield from super().generate(*args, **kwargs)
 
 
-class BoundedSandbox(ImmutableSandboxedEnvironment):
-    """Jinja's immutable sandbox with `*` and `**` checked (intercepted operators are also never
-    folded into constants when the template compiles, where `10 ** 10 ** 10` would run for ever)."""
+class _BoundedFilters(dict[str, Any]):
+    """The environment's filters, each checked for an integer argument past MAX_REPEAT_ITEMS when a
+    template takes it (compiled templates look filters up by `environment.filters[name]` as they
+    render, so filters transformers adds after the environment is built, tojson among them, are
+    checked too; `get`, which the compiler uses, answers the filter itself)."""
 
-    intercepted_binops = frozenset({"*", "**"})
+    def __getitem__(self, name: str) -> Any:
+        f = super().__getitem__(name)
+
+        @functools.wraps(f)  # keeps jinja_pass_arg: context / environment first, as the compiler decided
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            _check_sizes(f"the filter {name}", args, kwargs)
+            return f(*args, **kwargs)
+
+        return bounded
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox with `*`, `**` and `%` checked (intercepted operators are also never
+    folded into constants when the template compiles, where `10 ** 10 ** 10` would run for ever), and
+    the calls, filters and str.format that take a size (`'x'.ljust(n)`, `center(n)`, `tojson(indent=n)`,
+    `'{:>n}'.format(...)`, `'%ns' % ...`) refused one past MAX_REPEAT_ITEMS."""
+
+    intercepted_binops = frozenset({"*", "**", "%"})
     template_class = BoundedTemplate
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.filters = _BoundedFilters(self.filters)
 
     def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
@@ -118,7 +143,46 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         if operator == "**" and _is_int(left) and _is_int(right) and abs(left) > 1 and right > 0:
             if left.bit_length() * right > MAX_INT_BITS:
                 raise TemplateLimitError(f"the chat template builds an integer of more than {MAX_INT_BITS} bits")
+        if operator == "%" and isinstance(left, str):  # printf-style: a width or precision is a size
+            _check_format(left, right if isinstance(right, (tuple, list)) else (right,), {})
         return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        if isinstance(getattr(__obj, "__self__", None), str) and getattr(__obj, "__name__", "") in _STR_SIZED:
+            _check_sizes(f"str.{__obj.__name__}()", args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value: Any) -> Any:
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+
+        def bounded(*args: Any, **kwargs: Any) -> str:
+            _check_format(value.__self__, args, kwargs)
+            return str(wrapped(*args, **kwargs))
+
+        return bounded
+
+
+# str methods whose integer argument is the size of what they build
+_STR_SIZED = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs"})
+# a width or precision of ten million characters or more, in a format string; one taken from the
+# arguments ('%*s', '{:{}}')
+_HUGE_NUMBER = re.compile(r"\d{8,}")
+_WIDTH_FROM_ARGS = re.compile(r"%[-#0 +]*\*|%[-#0 +]*\d*\.\*|\{[^{}]*\{")
+
+
+def _check_sizes(what: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    for v in (*args, *kwargs.values()):
+        if _is_int(v) and abs(v) > MAX_REPEAT_ITEMS:
+            raise TemplateLimitError(f"the chat template passes {what} an integer over {MAX_REPEAT_ITEMS}")
+
+
+def _check_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    if _HUGE_NUMBER.search(fmt):
+        raise TemplateLimitError(f"the chat template formats with a width over {MAX_REPEAT_ITEMS}")
+    if _WIDTH_FROM_ARGS.search(fmt):
+        _check_sizes("a format's width", args, kwargs)
 
 
 def _is_int(v: Any) -> bool:

@@ -37,6 +37,11 @@ def render(tokenizer: Any, template: str) -> str:
     "{{ 'x' * 10**10 }}", "{{ 10**10 * 'x' }}", "{{ [0] * 10**9 }}", "{% set n = 10**10 %}{{ 'ab' * n }}",
     "{{ ((10 ** 1000) ** 1000) ** 1000 }}", "{{ 2 ** 100000 }}",
     "{% set ns = namespace(n=10 ** 1000) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}",
+    # sizes given to filters, str methods and formats (each built a 10 GB string)
+    "{{ 'x'|center(10**10) }}", "{{ 'x'|indent(10**10, true) }}", "{{ [1]|batch(10**10, 0)|list }}",
+    "{{ messages|tojson(indent=10**10) }}", "{{ 'x'.ljust(10**10) }}", "{{ 'x'.zfill(10**10) }}",
+    "{{ '\t'.expandtabs(10**10) }}", "{{ '%10000000000s' % 'x' }}", "{{ '%*s' % (10**10, 'x') }}",
+    "{{ '{:>10000000000}'.format('x') }}", "{{ '{:>{}}'.format('x', 10**10) }}", "{{ '%s'|format('x'.rjust(10**10)) }}",
 ])  # fmt: skip
 def test_huge_values_are_refused(tokenizer: Any, template: str) -> None:
     with pytest.raises(template_limits.TemplateLimitError):
@@ -63,6 +68,10 @@ def test_real_templates_render_as_before(tokenizer: Any) -> None:
     text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert render(tokenizer, "{{ '-' * 3 }}{{ 2 ** 10 }}{{ 3 * 4 }}{{ 2.0 ** 0.5 > 1 }}") == "---102412True"
+    # big numbers where they are not sizes, and sizes within the bounds
+    assert render(tokenizer, "{{ '%d' % 1733600000 }} {{ '{}'.format(10**12) }} {{ 10**12 % 7 }} {{ 'x'|center(5) }}"
+                  " {{ 'ab'.ljust(4, '.') }} {{ '%5s' % 'x' }} {{ '{:>3}'.format(1) }}") == (
+        "1733600000 1000000000000 1   x   ab..     x   1")
 
 
 def test_the_main_thread_is_stopped_by_an_alarm_at_no_cost_per_line(tmp_path: Path) -> None:
