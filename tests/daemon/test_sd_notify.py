@@ -82,8 +82,8 @@ def test_sighup_sends_reloading_with_monotonic_usec_then_ready(tiny_model: Path)
         listener.wait_for("READY=1", READY_TIMEOUT)
         before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
         d.proc.send_signal(signal.SIGHUP)
-        listener.wait_for("RELOADING=1", 10)
-        deadline = time.monotonic() + 10
+        listener.wait_for("RELOADING=1", 30)
+        deadline = time.monotonic() + 30
         while listener.lines().count("READY=1") < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         lines = listener.lines()
