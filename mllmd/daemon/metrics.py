@@ -191,6 +191,9 @@ class _TelemetryExport(Collector):
         yield from _labelled("mllmd_cpu_online", "1 when the CPU core is online", "core",
                              {k: float(v) for k, v in s.cpu_online.items()})
         yield from _scalar("mllmd_gpu_utilization_ratio", "GPU busy fraction (0..1)", s.gpu_utilization)
+        yield from _scalar("mllmd_gpu_memory_used_bytes", "GPU memory in use, all processes (NVML; a discrete GPU's own memory)",
+                           s.gpu_memory_used_bytes)
+        yield from _scalar("mllmd_gpu_memory_total_bytes", "GPU memory (NVML)", s.gpu_memory_total_bytes)
         yield from _labelled("mllmd_gpu_frequency_hertz", "GPU clock per GPC", "gpc", s.gpu_frequency_hz)
         yield from _scalar("mllmd_emc_utilization_ratio", "External memory controller busy fraction (0..1)", s.emc_utilization)
         yield from _scalar("mllmd_emc_frequency_hertz", "External memory controller clock", s.emc_frequency_hz)

@@ -57,7 +57,7 @@ class TelemetrySnapshot:
     temperatures_c: Mapping[str, float] = field(default_factory=dict)  # sensor -> Celsius
     power_watts: Mapping[str, float] = field(default_factory=dict)  # rail -> W (current)
     power_average_watts: Mapping[str, float] = field(default_factory=dict)  # rail -> W (average)
-    gpu_memory_used_bytes: int | None = None  # NVML only (discrete GPUs); not a /metrics family
+    gpu_memory_used_bytes: int | None = None  # NVML only (discrete GPUs)
     gpu_memory_total_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

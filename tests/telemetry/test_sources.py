@@ -34,8 +34,10 @@ TELEMETRY_NAMES = {
     "mllmd_memory_used_bytes", "mllmd_memory_total_bytes", "mllmd_swap_used_bytes", "mllmd_swap_total_bytes",
     "mllmd_cpu_utilization_ratio", "mllmd_cpu_frequency_hertz", "mllmd_cpu_online", "mllmd_gpu_utilization_ratio",
     "mllmd_gpu_frequency_hertz", "mllmd_emc_utilization_ratio", "mllmd_emc_frequency_hertz",
-    "mllmd_temperature_celsius", "mllmd_power_watts", "mllmd_power_average_watts",
+    "mllmd_temperature_celsius", "mllmd_power_watts", "mllmd_power_average_watts", "mllmd_gpu_memory_used_bytes",
+    "mllmd_gpu_memory_total_bytes",
 }
+NVML_ONLY = {"mllmd_gpu_memory_used_bytes", "mllmd_gpu_memory_total_bytes"}  # Jetson's memory is the RAM
 
 
 def _load_fake_lines() -> dict[str, str]:
@@ -324,7 +326,8 @@ def test_nvml_unsupported_queries_are_omitted(tmp_path: Path, monkeypatch: pytes
     collector.start()
     collector.stop()
     samples = telemetry_samples(metrics)
-    assert names_of(samples) == {"mllmd_gpu_utilization_ratio", "mllmd_emc_utilization_ratio", "mllmd_temperature_celsius"}
+    assert names_of(samples) == {"mllmd_gpu_utilization_ratio", "mllmd_emc_utilization_ratio", "mllmd_temperature_celsius",
+                                 "mllmd_gpu_memory_used_bytes", "mllmd_gpu_memory_total_bytes"}
     assert value(samples, "mllmd_temperature_celsius", sensor="gpu") == 54.0
 
 
@@ -345,6 +348,8 @@ def test_collector_nvml_gauges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert value(samples, "mllmd_temperature_celsius", sensor="gpu") == 54.0
     assert value(samples, "mllmd_temperature_celsius", sensor="cpu-thermal") == 45.5
     assert "mllmd_power_average_watts" not in names_of(samples)
+    # the discrete GPU's own memory (it was read for /admin/status only)
+    assert (value(samples, "mllmd_gpu_memory_used_bytes"), value(samples, "mllmd_gpu_memory_total_bytes")) == (10 * MB, 100 * MB)
     nvml_off = TelemetryCollector({"interval": 0.05, "tegrastats_path": "", "nvml": False},
                                   proc_root=proc, sys_root=sys_, nvml_module=FakeNvml())
     nvml_off.start()
@@ -447,7 +452,7 @@ def test_fake_tegrastats_on_path_drives_metrics(tmp_path: Path, monkeypatch: pyt
     finally:
         collector.stop()
     assert log.read_text().split()[1:] == ["--interval", "50"]
-    assert names_of(samples) == TELEMETRY_NAMES
+    assert names_of(samples) == TELEMETRY_NAMES - NVML_ONLY
     assert value(samples, "mllmd_memory_used_bytes") == 6982 * MB
     assert value(samples, "mllmd_memory_total_bytes") == 7620 * MB
     assert value(samples, "mllmd_swap_used_bytes") == 2640 * MB
