@@ -591,6 +591,7 @@ class Daemon:
         used = total - kv.free - kv.evictable if kv is not None and total else 0
         pend = self.pending
         snap = self.telemetry.latest().to_dict()
+        in_flight = sum(s.rm.num_in_flight for s in self.slots())
         return {
             "state": self.state,
             "reason": self.not_ready_reason(detail=True),
@@ -608,10 +609,10 @@ class Daemon:
             "requests": {"running": stats.running if stats is not None else 0,
                          "waiting": stats.waiting if stats is not None else 0,
                          # every model's, also one being swapped out that finishes its requests
-                         "in_flight": sum(s.rm.num_in_flight for s in self.slots()),
+                         "in_flight": in_flight,
                          "retiring": sum(s.rm.num_in_flight for s in self.retiring),
                          # what main keeps per request (all 0 when idle: nothing may accumulate)
-                         "tracked": {"requests": sum(s.rm.num_in_flight for s in self.slots()),
+                         "tracked": {"requests": in_flight,
                                      "groups": sum(s.rm.num_groups for s in self.slots()),
                                      "client_ids": sum(len(s.rm.aliases) for s in self.slots()),
                                      "metrics": self.metrics.num_tracked}},

@@ -119,6 +119,11 @@ def context_length(config: dict[str, Any]) -> int | None:
 
 
 
+def inside(real: Path, allowed: list[Path]) -> bool:
+    """`real` (a resolved path) is one of `allowed` or lies below one."""
+    return any(real == a or a in real.parents for a in allowed)
+
+
 def check_links(root: Path, roots: list[Path] | tuple[Path, ...] = ()) -> None:
     """Every entry of the folder must resolve (links followed) inside it or inside one of `roots`
     (the models dirs): a link to a file elsewhere would have the workers read it."""
@@ -131,6 +136,6 @@ def check_links(root: Path, roots: list[Path] | tuple[Path, ...] = ()) -> None:
             real = Path(os.path.realpath(entry, strict=True))
         except (OSError, RuntimeError):
             raise ConfigCheckError(f"{entry.name} is a broken or looping link") from None
-        if not any(real == a or a in real.parents for a in allowed):
+        if not inside(real, allowed):
             raise ConfigCheckError(f"{entry.name} is a link to {real}, outside the model folder and "
                                    "model.models_dir: a model folder's files must lie inside them")

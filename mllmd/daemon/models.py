@@ -23,6 +23,7 @@ from mllmd.daemon.model_config import (
     check_links,
     config_weight_bytes,
     context_length,
+    inside,
     read_config,
 )
 from mllmd.models import SUPPORTED_ARCHITECTURES
@@ -190,10 +191,6 @@ def inspect_model(path: str | os.PathLike[str], roots: list[str] | tuple[str, ..
                       isinstance(config.get("vision_config"), dict), config_weight_bytes(config), context_length(config))
 
 
-def _inside(real: Path, allowed: list[Path]) -> bool:
-    return any(real == a or a in real.parents for a in allowed)
-
-
 def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
     """Every model folder (one holding config.json) directly under the models dirs. An entry that
     resolves outside them (a symlink to elsewhere) is listed with an error and never read."""
@@ -209,7 +206,7 @@ def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]
             continue
         for sub in entries:
             try:
-                if not _inside(sub.resolve(), allowed):
+                if not inside(sub.resolve(), allowed):
                     if sub.is_dir():
                         out.append({"name": sub.name, "path": str(sub), "error": "a link to a folder outside "
                                     "model.models_dir: not read, and not loadable"})
@@ -261,7 +258,7 @@ def resolve_in_models_dirs(ref: str, models_dirs: list[str] | tuple[str, ...], w
         allowed = [Path(d).resolve() for d in models_dirs]
         for c in candidates:
             real = c.resolve()
-            if not _inside(real, allowed):
+            if not inside(real, allowed):
                 raise ModelError(f"{ref} is outside the allowed models dirs (model.models_dir: {dirs}); "
                                  "only folders inside them can be loaded over the admin API")
             if real.is_dir():

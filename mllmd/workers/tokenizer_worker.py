@@ -318,19 +318,20 @@ def handle(req: TokenizeRequest, tokenizer: Any, vision: VisionPrompts | None, c
     holding up the requests behind it; so does one whose text is long, encoded on `jobs`' thread."""
     logger.debug("request %s (%s)", req.group, type(req.prompt).__name__)
     try:
-        if isinstance(req.prompt, ChatPrompt):  # parked requests keep it converted
-            req = msgspec.structs.replace(req, prompt=template_messages(tokenizer, req.prompt, chat_template))
         send_images = None
         if vision is not None and vision.wants(req.prompt):
             assert isinstance(req.prompt, ChatPrompt)
+            # in the template's shape (prompt_text converts a text prompt's), also while parked
+            chat = template_messages(tokenizer, req.prompt, chat_template)
+            req = msgspec.structs.replace(req, prompt=chat)
             if parked is not None:
-                loading = vision.load_later(req.prompt)
+                loading = vision.load_later(chat)
                 if loading is None:
                     raise WorkerBusy(f"{vision.max_queued} image requests are already being loaded; retry shortly")
                 parked.append(Parked(req, loading))
                 return
-            kwargs = _template_kwargs(req.prompt, chat_template)
-            ids, meta, send_images = _with_images(vision.build(tokenizer, req.prompt, kwargs), vision)
+            kwargs = _template_kwargs(chat, chat_template)
+            ids, meta, send_images = _with_images(vision.build(tokenizer, chat, kwargs), vision)
         elif isinstance(req.prompt, ChatPrompt) and image_parts(req.prompt.messages):
             raise ImageError("images are not supported by the loaded model", "model")
         elif parked is not None and jobs is not None and (built := prompt_text(tokenizer, req, chat_template)):
