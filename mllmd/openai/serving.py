@@ -15,8 +15,8 @@ from typing import Any
 from mllmd.messages import PromptMeta, RequestFailed, TextOutput, TokenLogprob
 from mllmd.openai import responses as R
 from mllmd.openai.errors import error_for_failure
-from mllmd.openai.reasoning_parser import get_reasoning_parser
-from mllmd.openai.tool_parser import ContentDelta, get_tool_parser
+from mllmd.openai.reasoning_parser import StreamingReasoning, get_reasoning_parser
+from mllmd.openai.tool_parser import ContentDelta, StreamingToolCalls, get_tool_parser
 
 
 @dataclass
@@ -117,7 +117,7 @@ def usage_of(choices: list[Choice], per_prompt: int | None = None) -> dict[str, 
     return R.usage(prompt, sum(c.completion_tokens for c in choices), cached)
 
 
-def _token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogprob]:
+def token_logprobs(entries: list[TokenLogprob], top_n: int) -> list[R.TokenLogprob]:
     return [
         R.TokenLogprob(
             token=e.token, logprob=e.logprob, raw=bytes(e.bytes),
@@ -145,11 +145,40 @@ class ChatOptions:
     tool_call_parser: str | None
 
 
+def _uses_tools(req: Any, opts: ChatOptions) -> bool:
+    """The reply is parsed for tool calls: the model has a parser, and the request tools it may call."""
+    return bool(opts.tool_call_parser and req.tools and req.tool_choice != "none")
+
+
+class ChatSplitter:
+    """One choice's streaming parsers: raw text deltas in, chat deltas out (reasoning_content, content,
+    tool_calls), as chat streams send them; also what the Responses API translates its events from."""
+
+    def __init__(self, meta: PromptMeta, req: Any, opts: ChatOptions) -> None:
+        use_tools = _uses_tools(req, opts)
+        self.reasoner: StreamingReasoning | None = None
+        self.tools: StreamingToolCalls | None = None
+        if opts.reasoning_parser:
+            self.reasoner = get_reasoning_parser(opts.reasoning_parser)(
+                starts_in_reasoning=meta.starts_in_reasoning, ends_at_tool_call=use_tools).stream()
+        if use_tools:
+            assert opts.tool_call_parser is not None
+            self.tools = get_tool_parser(opts.tool_call_parser)(tools=req.tools).stream()
+
+    def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The chat deltas of a text delta (`final`: the reply's last, which releases what was held)."""
+        return _chat_deltas(text, final, self.reasoner, self.tools)
+
+    @property
+    def has_calls(self) -> bool:
+        return self.tools is not None and bool(self.tools.tool_calls)
+
+
 def _split_chat(text: str, meta: PromptMeta, req: Any, opts: ChatOptions) -> tuple[str | None, str | None, list[dict[str, Any]]]:
     reasoning = None
     content: str | None = text
     if opts.reasoning_parser:
-        tools = bool(opts.tool_call_parser and req.tools and req.tool_choice != "none")
+        tools = _uses_tools(req, opts)
         parser = get_reasoning_parser(opts.reasoning_parser)(starts_in_reasoning=meta.starts_in_reasoning,
                                                              ends_at_tool_call=tools)
         reasoning, content = parser.extract(text)
@@ -170,7 +199,7 @@ async def chat_full(states: list[Any], req: Any, opts: ChatOptions) -> dict[str,
     for i, c in enumerate(choices):
         reasoning, content, calls = _split_chat(c.text, c.meta, req, opts)
         reason = _tool_finish(c.finish_reason, bool(calls))
-        lp = R.chat_logprobs(_token_logprobs(c.logprobs, req.top_logprobs)) if req.logprobs else None
+        lp = R.chat_logprobs(token_logprobs(c.logprobs, req.top_logprobs)) if req.logprobs else None
         out.append(R.chat_choice(i, R.chat_message(content, calls or None, reasoning), reason, lp))
     return R.chat_completion(R.chat_completion_id(), opts.model, R.now(), out, usage_of(choices))
 
@@ -178,9 +207,7 @@ async def chat_full(states: list[Any], req: Any, opts: ChatOptions) -> dict[str,
 async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIterator[bytes]:
     cid, created, inc = R.chat_completion_id(), R.now(), req.include_usage
     choices = [Choice() for _ in states]
-    reasoners: list[Any] = [None] * len(states)
-    tools: list[Any] = [None] * len(states)
-    use_tools = bool(opts.tool_call_parser and req.tools and req.tool_choice != "none")
+    splitters: list[ChatSplitter | None] = [None] * len(states)
     # logprobs of tokens whose text has not been sent yet (held back by a parser or the detokenizer): they
     # go out with the next chunk of the choice, so that a chunk's text and its logprobs are the same tokens
     pending: list[list[TokenLogprob]] = [[] for _ in states]
@@ -193,21 +220,17 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
                 yield stream_error(item)
                 return
             c = choices[i]
-            if reasoners[i] is None and opts.reasoning_parser:
-                reasoners[i] = get_reasoning_parser(opts.reasoning_parser)(
-                    starts_in_reasoning=item.meta.starts_in_reasoning, ends_at_tool_call=use_tools).stream()
-            if tools[i] is None and use_tools:
-                tools[i] = get_tool_parser(opts.tool_call_parser)(tools=req.tools).stream()
+            splitter = splitters[i] = splitters[i] or ChatSplitter(item.meta, req, opts)
             accumulate(c, item)
             final = item.finished
             if req.logprobs and item.logprobs:
                 pending[i] += item.logprobs
-            for delta in _chat_deltas(item.text, final, reasoners[i], tools[i]):
+            for delta in splitter.feed(item.text, final):
                 lp, pending[i] = _chat_logprobs_of(pending[i], req.top_logprobs), []
                 yield R.sse(R.chat_chunk(cid, opts.model, created, [R.chat_chunk_choice(i, delta, None, lp)],
                                          include_usage=inc))
             if final:
-                reason = _tool_finish(c.finish_reason, tools[i] is not None and bool(tools[i].tool_calls))
+                reason = _tool_finish(c.finish_reason, splitter.has_calls)
                 lp, pending[i] = _chat_logprobs_of(pending[i], req.top_logprobs), []
                 yield R.sse(R.chat_finish_chunk(cid, opts.model, created, i, reason, inc, lp))
         if inc:
@@ -219,7 +242,7 @@ async def chat_stream(states: list[Any], req: Any, opts: ChatOptions) -> AsyncIt
 
 def _chat_logprobs_of(entries: list[TokenLogprob], top_n: int) -> dict[str, Any] | None:
     """`choices[].logprobs` for a chunk carrying these tokens' text; None when there are none."""
-    return R.chat_logprobs(_token_logprobs(entries, top_n)) if entries else None
+    return R.chat_logprobs(token_logprobs(entries, top_n)) if entries else None
 
 
 def _chat_deltas(text: str, final: bool, reasoner: Any, tools: Any) -> list[dict[str, Any]]:
@@ -264,7 +287,7 @@ async def completion_full(states: list[Any], req: Any, model: str, echo_texts: l
         if req.logprobs:
             entries = (c.prompt_logprobs or []) + c.logprobs if req.echo else c.logprobs
             start = 0 if req.echo and c.prompt_logprobs else len(prefix)
-            lp = R.completion_logprobs(_token_logprobs(entries, req.top_logprobs), start)
+            lp = R.completion_logprobs(token_logprobs(entries, req.top_logprobs), start)
         out.append(R.completion_choice(i, prefix + c.text, _finish(c.finish_reason), lp))
     return R.completion(R.completion_id(), model, R.now(), out, usage_of(choices, req.n))
 
@@ -289,13 +312,13 @@ async def completion_stream(states: list[Any], req: Any, model: str, echo_texts:
             echoed[i] = True
             plp = None
             if item.prompt_logprobs:
-                plp = R.completion_logprobs(_token_logprobs(item.prompt_logprobs, req.top_logprobs), 0)
+                plp = R.completion_logprobs(token_logprobs(item.prompt_logprobs, req.top_logprobs), 0)
             yield R.sse(R.completion_chunk(cid, model, created, [R.completion_choice(i, echo_texts[i], None, plp)],
                                            include_usage=inc))
         final = item.finished
         lp = None
         if req.logprobs and item.logprobs:
-            lp = R.completion_logprobs(_token_logprobs(item.logprobs, req.top_logprobs), offsets[i])
+            lp = R.completion_logprobs(token_logprobs(item.logprobs, req.top_logprobs), offsets[i])
             offsets[i] += sum(len(t) for t in lp["tokens"])
         if item.text or lp or final:
             reason = _finish(choices[i].finish_reason) if final else None
