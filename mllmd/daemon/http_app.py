@@ -37,7 +37,7 @@ from mllmd.messages import (
     TokenizeOnly,
     TokenPrompt,
 )
-from mllmd.openai import protocol, serving
+from mllmd.openai import protocol, responses_api, responses_output, serving
 from mllmd.openai import responses as R
 from mllmd.openai.errors import (
     APIError,
@@ -57,6 +57,9 @@ if TYPE_CHECKING:
     from mllmd.daemon.main import Daemon
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# how the event that ends a failed stream begins: chat, completions and /generate; the Responses API
+ERROR_EVENTS = (serving.ERROR_EVENT_PREFIX, responses_output.FAILED_EVENT_PREFIX)
+StreamError = Callable[[RequestFailed], bytes]  # the event that ends a stream failing after its 200
 logger = logging.getLogger("mllmd.http")
 _errors = RateLimitedLog(logger)
 
@@ -92,15 +95,15 @@ class Api:
         if reason is not None:
             raise service_unavailable(reason)
 
-    def _check_images(self, count: int) -> None:
+    def _check_images(self, count: int, param: str) -> None:
         """Images need a model with a vision tower, and at most server.max_images_per_request of them
         (the sources themselves are checked where they are loaded, in the tokenizer worker)."""
         active = self.d.active
         if active is None or not active.facts.takes_images:
-            raise bad_request("images are not supported by the loaded model", "messages")
+            raise bad_request("images are not supported by the loaded model", param)
         most = active.max_images_per_request or self.d.config.server.max_images_per_request
         if count > most:
-            raise bad_request(f"{count} images in the request exceeds server.max_images_per_request={most}", "messages")
+            raise bad_request(f"{count} images in the request exceeds server.max_images_per_request={most}", param)
 
     async def _parse(self, request: Request, parse: Callable[[Any, Limits], Any]) -> Any:
         srv = self.d.config.server
@@ -108,13 +111,13 @@ class Api:
         return await parse_body(body, self.d.limits, parse)
 
     async def _respond(self, request: Request, states: list[Any], stream: AsyncIterator[bytes] | None,
-                       full: Awaitable[Any] | None) -> Response:
+                       full: Awaitable[Any] | None, on_error: StreamError = serving.stream_error) -> Response:
         """Stream or collect the request's results. Whatever goes wrong before the response is handed
         over (an error before the first token, the client leaving, any exception), its requests are
         released here; a stream's body releases them when it ends."""
         try:
             if stream is not None:
-                return await self._stream(request, states, stream)
+                return await self._stream(request, states, stream, on_error)
             assert full is not None
             return JSONResponse(await self._watch(request, states, full))
         except BaseException:
@@ -141,11 +144,13 @@ class Api:
             if deadline is not None and asyncio.get_running_loop().time() >= deadline:
                 return _Pending(task)
 
-    async def _stream(self, request: Request, states: list[Any], gen: AsyncIterator[bytes]) -> StreamingResponse:
+    async def _stream(self, request: Request, states: list[Any], gen: AsyncIterator[bytes],
+                      on_error: StreamError) -> StreamingResponse:
         """Stream `gen` as SSE, once every choice has its first result: an error known before the
         first token (prompt too long, no room for max_tokens, a lost worker) is an HTTP error. A first
         result slower than server.sse_keepalive_interval (a queue, a long prefill) starts the stream
-        anyway, with SSE comments every interval until it comes (then an error is an SSE event)."""
+        anyway, with SSE comments every interval until it comes (then an error is the event `on_error`
+        makes, as is a failure of `gen` itself)."""
         interval = self.d.config.server.sse_keepalive_interval
         first = await self._watch(request, states, _first_error(states), interval if interval > 0 else None)
         if isinstance(first, RequestFailed):
@@ -167,18 +172,17 @@ class Api:
                     if error is not None:
                         if info is not None:
                             info.stream_error = True
-                        yield serving.stream_error(error)
+                        yield on_error(error)
                         return
                 async for chunk in gen:
-                    if info is not None and chunk.startswith(serving.ERROR_EVENT_PREFIX):
+                    if info is not None and chunk.startswith(ERROR_EVENTS):
                         info.stream_error = True  # the access log's outcome
                     yield chunk
             except Exception:  # the status line is gone: end the stream with an error event
                 if info is not None:
                     info.stream_error = True
                 _errors.exception(f"stream:{request.url.path}", "a %s stream failed", request.url.path)
-                yield R.sse({"error": {"message": "Internal server error.", "type": "server_error",
-                                       "param": None, "code": None}})
+                yield on_error(RequestFailed("", "internal", internal_error().message))
             finally:
                 if isinstance(first, _Pending):
                     first.task.cancel()  # the client left during the keep-alives: nobody waits for it
@@ -255,22 +259,41 @@ class Api:
             raise model_not_found(name)
         return JSONResponse(R.model_card(name, self.d.started_at))
 
-    async def chat(self, request: Request) -> Response:
-        self._auth(request)
-        req = await self._parse(request, protocol.parse_chat_request)
+    async def _submit_chat(self, request: Request, req: protocol.ChatRequest, prompt_param: str
+                           ) -> tuple[list[Any], serving.ChatOptions]:
+        """Submit a validated chat request (`prompt_param`: the field its messages came from)."""
         model = self._check_model(req.model)
         self._check_ready()
         if req.image_urls:
-            self._check_images(len(req.image_urls))
+            self._check_images(len(req.image_urls), prompt_param)
         prompt = req.chat_prompt()
         srv, slot = self.d.config.server, self.d.active
         parsers = slot.chat_parsers(srv.reasoning_parser, srv.tool_call_parser) if slot is not None else (None, None)
         constraint = req.output_constraint(tool_call_format(parsers[1]))
-        states = await self._submit(request, prompt, req, req.n, "messages", constraint)
-        opts = serving.ChatOptions(model, *parsers)
+        states = await self._submit(request, prompt, req, req.n, prompt_param, constraint)
+        return states, serving.ChatOptions(model, *parsers)
+
+    async def chat(self, request: Request) -> Response:
+        self._auth(request)
+        req = await self._parse(request, protocol.parse_chat_request)
+        states, opts = await self._submit_chat(request, req, "messages")
         if req.stream:
             return await self._respond(request, states, serving.chat_stream(states, req, opts), None)
         return await self._respond(request, states, None, serving.chat_full(states, req, opts))
+
+    async def responses(self, request: Request) -> Response:
+        """POST /v1/responses: the Responses API, translated onto chat (mllmd.openai.responses_api)."""
+        self._auth(request)
+        req = await self._parse(request, responses_api.parse_responses_request)
+        try:
+            states, opts = await self._submit_chat(request, req.chat, "input")
+            asm = responses_output.ResponseAssembler(req, opts)
+            if req.stream:
+                return await self._respond(request, states, responses_output.response_stream(states, asm), None,
+                                           asm.failure_event)
+            return await self._respond(request, states, None, responses_output.response_full(states, asm))
+        except APIError as e:  # a chat field the workers or the sampling checks refused: the Responses name
+            raise req.params.error(e) from None
 
     async def completions(self, request: Request) -> Response:
         self._auth(request)
@@ -479,6 +502,7 @@ def build_app(daemon: Daemon) -> Starlette:
         Route("/v1/models/{model:path}", _wrap(api.model), methods=["GET"]),
         Route("/v1/chat/completions", _wrap(api.chat), methods=["POST"]),
         Route("/v1/completions", _wrap(api.completions), methods=["POST"]),
+        Route("/v1/responses", _wrap(api.responses), methods=["POST"]),
         Route("/generate", _wrap(api.generate), methods=["POST"]),
         Route("/abort_request", _wrap(api.abort_request), methods=["POST"]),
         Route("/metrics", _wrap(api.metrics), methods=["GET"]),
