@@ -26,7 +26,12 @@ from mllmd.openai.errors import APIError
 from mllmd.openai.limits import MAX_MESSAGES
 from mllmd.openai.protocol import parse_chat_request
 from mllmd.openai.responses_api import parse_responses_request
-from mllmd.openai.responses_output import FAILED_EVENT_PREFIX, ResponseAssembler, response_full, response_stream
+from mllmd.openai.responses_output import (
+    FAILED_EVENT_PREFIX,
+    ResponseAssembler,
+    response_full,
+    response_stream,
+)
 from mllmd.openai.serving import ChatOptions, _split_chat
 from tests.core.test_openai_responses import _client
 

@@ -2,7 +2,9 @@
 
 One daemon serves the whole module (see conftest.py). Checks: models list; chat and completions,
 streaming and not, with exact usage; n=2; stop strings (matched across token boundaries); seed
-reproducibility; logprobs shapes; and the same over the Unix socket with httpx.
+reproducibility; logprobs shapes; the same over the Unix socket with httpx; and the Responses API
+(whole, streamed, the SDK's stream helper, structured output, refusals naming the field, a stream left
+midway aborted).
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import stat
-from typing import Any
+import time
+from typing import Any, Literal
 
 import httpx
+import pydantic
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -503,3 +507,105 @@ def test_unix_socket_openai_client(daemon: Any) -> None:
         assert chunks[-1].usage.completion_tokens == 4
         c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=IGNORE_EOS)
         assert c.usage.completion_tokens == 2
+
+
+# ---- the Responses API -----------------------------------------------------------------------
+def test_responses_non_streaming(client: Any, tokenizer: Any) -> None:
+    from tests.core.test_openai_responses_api import check_response
+
+    raw = client.responses.with_raw_response.create(
+        model=MODEL, instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"], max_output_tokens=7,
+        temperature=0, metadata={"k": "v"}, store=False, extra_body=IGNORE_EOS)
+    r = check_response(json.loads(raw.text))  # the SDK's type, no field it lacks
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [o.type for o in r.output] == ["message"] and r.output[0].status == "incomplete"
+    assert r.output_text and r.output_text == raw.parse().output_text
+    assert r.usage.input_tokens == chat_prompt_tokens(tokenizer, MESSAGES)
+    assert r.usage.output_tokens == 7 and r.usage.total_tokens == r.usage.input_tokens + 7
+    assert (r.metadata, r.instructions, r.max_output_tokens, r.temperature) == ({"k": "v"}, MESSAGES[0]["content"], 7, 0)
+    # the same request on chat: the same text
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7, temperature=0,
+                                          extra_body=IGNORE_EOS)
+    assert r.output_text == chat.choices[0].message.content
+
+
+def test_responses_streaming_events_in_order(client: Any) -> None:
+    from tests.core.test_openai_responses_api import check_event
+
+    events = list(client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=9, temperature=1.0,
+                                          stream=True, extra_body={**IGNORE_EOS, "seed": 5}))
+    for e in events:
+        check_event(e.to_dict())
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == 9 and final.status == "incomplete"
+    assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
+    whole = client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=9, temperature=1.0,
+                                    extra_body={**IGNORE_EOS, "seed": 5})
+    assert whole.output_text == text
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog", "fish"]
+    legs: int = pydantic.Field(ge=0, le=8)
+
+
+def test_responses_stream_helper_and_structured_output(client: Any) -> None:
+    """text.format json_schema (what the SDK's .parse and .stream send for a pydantic model) constrains the
+    random model's reply as on chat, so it ends by itself: the stream helper needs response.completed."""
+    texts = []
+    for seed in range(2):
+        r = client.responses.parse(model=MODEL, input="A pet as JSON.", text_format=Pet, max_output_tokens=48,
+                                   temperature=1.0, extra_body={"seed": seed})
+        assert r.status == "completed" and isinstance(r.output_parsed, Pet)
+        assert r.text.format.type == "json_schema" and r.text.format.name == "Pet"
+        texts.append(r.output_text)
+    with client.responses.stream(model=MODEL, input="A pet as JSON.", text_format=Pet, max_output_tokens=48,
+                                 temperature=1.0, extra_body={"seed": 0}) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == texts[0] and isinstance(final.output_parsed, Pet)
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input[0].type"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "parameters": {"type": "object"}}]}, "tools[0].name"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}}, "text.format"),
+    ({"max_output_tokens": 10**9}, "max_output_tokens"),  # refused by the tokenizer worker: renamed too
+    ({"extra_body": {"background": True}}, "background"),
+])
+def test_responses_refusals_name_the_field(client: Any, daemon: Any, kw: dict[str, Any], param: str) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(**{"model": MODEL, "input": "Hi", **kw})
+    assert err.value.status_code == 400 and err.value.param == param, err.value.body
+    assert daemon.health()[0] == 200
+    assert client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).status in ("completed", "incomplete")
+
+
+def test_responses_stream_left_midway_is_aborted(daemon: Any) -> None:
+    from tests.daemon.test_limits import _aborted_total
+
+    before = _aborted_total(daemon)
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 5000, "stream": True, "ignore_eos": True}
+    with daemon.http() as h, h.stream("POST", "/v1/responses", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = r.iter_lines()
+        assert next(lines) == "event: response.created"
+        while "response.output_text.delta" not in next(lines):
+            pass
+    deadline = time.monotonic() + 30
+    while _aborted_total(daemon) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _aborted_total(daemon) == before + 1

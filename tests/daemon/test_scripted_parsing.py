@@ -4,7 +4,9 @@ The daemon runs with MLLMD_TESTING_SCRIPT (see mllmd/testing/scripted.py): the s
 emits the scripts below in turn (request k gets script k mod 3), then EOS. Each response is matched
 to its script by its reasoning text, so the tests do not depend on the order requests arrive in;
 sending three requests in a row covers every script. The daemon runs with the default configuration:
-the parsers are chosen from the model (`auto`), nothing is configured.
+the parsers are chosen from the model (`auto`), nothing is configured. The Responses API gets the same
+parsing as output items (reasoning, message, function_call), and its function-call round trip renders
+the prompt the same chat conversation does.
 """
 
 from __future__ import annotations
@@ -225,3 +227,68 @@ def test_reasoning_effort_none_turns_thinking_off(client: Any, tokenizer: Any) -
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, reasoning_effort="max")  # type: ignore[arg-type]
     assert "reasoning_effort" in str(e.value)
+
+
+# ---- the Responses API: the same parsers, as output items --------------------------------------
+FLAT_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+
+
+def _items(r: Any) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """(reasoning, text, calls) of a Response, checking the order of its items."""
+    kinds = [o.type for o in r.output]
+    assert kinds == sorted(kinds, key=["reasoning", "message", "function_call"].index), kinds
+    reasoning = [o.content[0].text for o in r.output if o.type == "reasoning"]
+    calls = [{"id": o.call_id, "type": "function", "name": o.name, "arguments": o.arguments}
+             for o in r.output if o.type == "function_call"]
+    assert all(o.id.startswith("fc_") for o in r.output if o.type == "function_call")
+    return (reasoning[0] if reasoning else None), (r.output_text or None), calls
+
+
+def test_responses_scripted_whole_and_streamed(client: Any, tokenizer: Any) -> None:
+    from tests.core.test_openai_responses_api import check_event
+
+    seen = set()
+    for stream in (False, True):
+        for _ in range(len(SCRIPTS)):
+            if stream:
+                events = list(client.responses.create(model=MODEL, input=MESSAGES, tools=FLAT_TOOLS, stream=True))
+                for e in events:
+                    check_event(e.to_dict())
+                assert [e.sequence_number for e in events] == list(range(len(events)))
+                r = events[-1].response
+                assert [e.item for e in events if e.type == "response.output_item.done"] == r.output
+                thinking = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+                assert thinking == r.output[0].content[0].text
+            else:
+                r = client.responses.create(model=MODEL, input=MESSAGES, tools=FLAT_TOOLS, max_output_tokens=200)
+            assert r.status == "completed"
+            reasoning, text, calls = _items(r)
+            finish = "tool_calls" if calls else "stop"
+            seen.add((stream, _check(reasoning, text, calls, finish, r.usage.output_tokens, tokenizer)))
+            assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    assert seen == {(s, script) for s in (False, True) for script in SCRIPTS}
+
+
+def test_responses_function_tool_round_trip(client: Any, scripted: Any, tokenizer: Any) -> None:
+    """The output items go back as input with the tools' results: the prompt is the one the same chat
+    conversation renders (the reasoning item as the assistant turn's reasoning_content)."""
+    for _ in range(len(SCRIPTS)):
+        first = client.responses.create(model=MODEL, input=MESSAGES, tools=FLAT_TOOLS)
+        reasoning, _, calls = _items(first)
+        if calls:
+            break
+    assert calls, "two scripts of three call a tool"
+    results = [{"type": "function_call_output", "call_id": c["id"], "output": f"Sunny {i}"} for i, c in enumerate(calls)]
+    second = client.responses.create(model=MODEL, input=[*MESSAGES, *first.output, *results], tools=FLAT_TOOLS)
+    assert second.status == "completed"
+    chat = [*MESSAGES, {"role": "assistant", "content": None, "reasoning_content": reasoning, "tool_calls": [
+        {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]},
+        *[{"role": "tool", "tool_call_id": r["call_id"], "content": r["output"]} for r in results]]
+    with scripted.http() as h:
+        count = h.post("/tokenize", json={"model": MODEL, "messages": chat, "tools": TOOLS}).json()["count"]
+    assert second.usage.input_tokens == count
+    assert count > first.usage.input_tokens + len(tokenizer.encode(reasoning))  # the reasoning is in the prompt
+    # reasoning.effort none renders the prompt with thinking off, as chat's reasoning_effort does
+    off = client.responses.create(model=MODEL, input=MESSAGES, reasoning={"effort": "none"}, max_output_tokens=1)
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert off.usage.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))
