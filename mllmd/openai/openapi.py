@@ -13,6 +13,7 @@ from typing import Any
 from mllmd import __version__
 from mllmd.openai import limits as L
 from mllmd.openai import protocol as P
+from mllmd.openai import responses_api as RA
 from mllmd.sampling_params import MAX_TOP_LOGPROBS
 
 JSON = "application/json"
@@ -148,6 +149,7 @@ def _schemas(limits: L.Limits) -> dict[str, Any]:
             "message": {"type": "string"}, "type": {"type": "string"},
             "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}}}}}
     return {"ChatCompletionRequest": chat, "CompletionRequest": completion, "GenerateRequest": generate,
+            "ResponsesRequest": _responses(limits, free_json),
             "AbortRequest": {"type": "object", "required": ["rid"], "properties": {
                 "rid": {"type": "string", "minLength": 1, "maxLength": P.MAX_RID_LEN}}},
             "LoadModelRequest": {"type": "object", "required": ["model"], "properties": {
@@ -159,6 +161,64 @@ def _schemas(limits: L.Limits) -> dict[str, Any]:
             "Object": {"type": "object"}}
 
 
+def _responses(limits: L.Limits, free_json: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/responses: what mllmd serves of OpenAI's Responses API (mllmd.openai.responses_api)."""
+    text = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": list(RA.TEXT_PARTS)}, "text": {"type": "string"}}}
+    image = {"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"const": "input_image"}, "image_url": {"type": "string", "minLength": 1},
+        "detail": {"enum": [*P.IMAGE_DETAILS, *RA.IMAGE_DETAILS]}}}
+    content = {"oneOf": [{"type": "string"}, {"type": "array", "maxItems": L.MAX_CONTENT_PARTS,
+                                              "items": {"oneOf": [text, image]}}]}
+    texts = {"type": "array", "items": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}}
+    items = [
+        {"type": "object", "required": ["role"], "properties": {
+            "type": {"const": "message"}, "role": {"enum": list(RA.MESSAGE_ROLES)}, "content": content}},
+        {"type": "object", "required": ["type", "call_id", "name"], "properties": {
+            "type": {"const": "function_call"}, "call_id": {"type": "string"}, "name": {"type": "string", "minLength": 1},
+            "arguments": {"type": "string"}}, "description": "a call of the assistant turn it follows"},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"}, "call_id": {"type": "string"}, "output": content}},
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"const": "reasoning"}, "content": texts, "summary": texts},
+         "description": "the next assistant turn's reasoning_content"},
+    ]
+    tool = {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": {"type": "string", "minLength": 1, "maxLength": L.MAX_TOOL_NAME},
+        "description": {"type": "string"}, "parameters": {"type": "object", **free_json}, "strict": {"type": "boolean"}}}
+    fmt = {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": list(P.RESPONSE_FORMATS)}, "name": {"type": "string", "minLength": 1},
+        "description": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}},
+        "description": "json_schema needs name; the grammar as chat's response_format"}
+    stateless = "refused: the server is stateless (nothing is stored)"
+    return {"type": "object", "required": ["input"], "properties": {
+        "model": {"type": "string"}, "stream": {"type": "boolean", "default": False},
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "maxItems": L.MAX_MESSAGES,
+                                                   "items": {"oneOf": items}}]},
+        "instructions": {"type": "string", "description": "a system message before the input"},
+        "tools": {"type": "array", "maxItems": L.MAX_TOOLS, "items": tool},
+        "tool_choice": {"oneOf": [{"enum": list(P.TOOL_CHOICES)}, {"type": "object", "required": ["type", "name"],
+                                  "properties": {"type": {"const": "function"}, "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": "boolean"}, "max_output_tokens": _int(1, P.MAX_INT),
+        "text": {"type": "object", "properties": {"format": fmt}},
+        "reasoning": {"type": "object", "properties": {
+            "effort": {"enum": [*P.REASONING_EFFORTS, *RA.EFFORTS], "description": "none / minimal: no thinking"},
+            "summary": {"enum": list(RA.SUMMARIES)}}},
+        "include": {"type": "array", "items": {"type": "string"},
+                    "description": f"{RA.LOGPROBS_INCLUDE} asks for logprobs; the others have no effect"},
+        "top_logprobs": _int(0, MAX_TOP_LOGPROBS),
+        "metadata": {"type": "object", "maxProperties": RA.MAX_METADATA,
+                     "propertyNames": {"maxLength": RA.MAX_METADATA_KEY},
+                     "additionalProperties": {"type": "string", "maxLength": RA.MAX_METADATA_VALUE}},
+        "user": {"type": "string"}, "store": {"type": "boolean", "description": "accepted; nothing is ever stored"},
+        "truncation": {"enum": list(RA.TRUNCATIONS), "description": "auto is served as disabled"},
+        "background": {"const": False}, "previous_response_id": {"type": "null", "description": stateless},
+        "conversation": {"type": "null", "description": stateless},
+        **_sampling(limits),
+        "chat_template_kwargs": {"type": "object", "description": "as on /v1/chat/completions"},
+    }, "description": "translated onto /v1/chat/completions: its rules, limits and parsers apply"}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     why = {400: "invalid request (param names the field)", 401: "missing or wrong API key",
            403: "not allowed on this listener", 404: "unknown model or object", 408: "request too slow",
@@ -168,10 +228,11 @@ def _errors(*codes: int) -> dict[str, Any]:
 
 
 def _op(summary: str, body: str | None = None, stream: bool = False, auth: str | None = "bearer",
-        tags: tuple[str, ...] = ("api",), errors: tuple[int, ...] = (400, 401, 408, 413, 431, 503)) -> dict[str, Any]:
+        tags: tuple[str, ...] = ("api",), errors: tuple[int, ...] = (400, 401, 408, 413, 431, 503),
+        events: str = "data: {...} events, then [DONE]") -> dict[str, Any]:
     ok: dict[str, Any] = {JSON: {"schema": _ref("Object")}}
     if stream:
-        ok[SSE] = {"schema": {"type": "string"}, "description": "when stream is true: data: {...} events, then [DONE]"}
+        ok[SSE] = {"schema": {"type": "string"}, "description": f"when stream is true: {events}"}
     op: dict[str, Any] = {"summary": summary, "tags": list(tags),
                           "responses": {"200": {"description": "OK", "content": ok}, **_errors(*errors)}}
     if body is not None:
@@ -207,6 +268,10 @@ def openapi_document(limits: L.Limits = L.DEFAULT_LIMITS, max_request_bytes: int
                                                  errors=(400, 401, 404, 408, 413, 431, 503))},
             "/v1/completions": {"post": _op("Text completion", "CompletionRequest", stream=True,
                                             errors=(400, 401, 404, 408, 413, 431, 503))},
+            "/v1/responses": {"post": _op("Responses API, stateless (nothing is stored)", "ResponsesRequest",
+                                          stream=True, errors=(400, 401, 404, 408, 413, 431, 503),
+                                          events="event: / data: {...} pairs, response.created to response."
+                                                 "completed (or .incomplete, .failed), no [DONE]")},
             "/generate": {"post": _op("Native generation (SGLang-style)", "GenerateRequest", stream=True)},
             "/tokenize": {"post": _op("Token ids of a prompt or chat, as a generation builds them (vLLM's shape: "
                                       "{model, prompt} or {model, messages, add_generation_prompt} -> "

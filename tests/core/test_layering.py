@@ -48,7 +48,8 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Modules of the main process (the one systemd watches): never torch, at import time.
 MAIN_PROCESS = ["mllmd.cli", "mllmd.ctl", "mllmd.daemon.main", "mllmd.daemon.http_app", "mllmd.daemon.admin",
-                "mllmd.daemon.model_slot", "mllmd.daemon.metrics", "mllmd.openai.serving", "mllmd.openai.protocol"]
+                "mllmd.daemon.model_slot", "mllmd.daemon.metrics", "mllmd.openai.serving", "mllmd.openai.protocol",
+                "mllmd.openai.responses_api", "mllmd.openai.responses_output"]
 ML_STACK = ("torch", "transformers", "triton", "numpy", "safetensors")
 
 

@@ -443,3 +443,32 @@ def test_sdk_client_sends_what_parses_and_reads_responses_streams_and_errors():
     with pytest.raises(openai.BadRequestError) as info:
         client.with_options(max_retries=0).responses.create(model="m", input="x", previous_response_id="resp_1")
     assert info.value.param == "previous_response_id" and "stateless" in info.value.message
+
+
+def test_the_openapi_document_describes_what_parses():
+    import jsonschema
+
+    from mllmd.openai.openapi import openapi_document
+
+    doc = openapi_document()
+    op = doc["paths"]["/v1/responses"]["post"]
+    assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ResponsesRequest"}
+    assert "no [DONE]" in op["responses"]["200"]["content"]["text/event-stream"]["description"]
+    schema = {**doc["components"]["schemas"]["ResponsesRequest"], "$schema": "https://json-schema.org/draft/2020-12/schema"}
+    bodies = [
+        {"model": "m", "input": "Hi", "instructions": "Be terse.", "stream": True, "store": False, "metadata": {"k": "v"}},
+        {"input": [{"role": "user", "content": [{"type": "input_text", "text": "x"},
+                                                {"type": "input_image", "image_url": "data:,", "detail": "original"}]},
+                   {"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}]},
+                   {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+                   {"type": "function_call_output", "call_id": "c", "output": "ok"}],
+         "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 8,
+         "text": {"format": {"type": "json_schema", "name": "t", "schema": {}, "strict": True}},
+         "reasoning": {"effort": "xhigh", "summary": "auto"}, "include": ["message.output_text.logprobs"],
+         "top_logprobs": 2, "truncation": "auto", "seed": 1, "top_k": 5},
+    ]
+    for body in bodies:
+        jsonschema.validate(body, schema)
+        parse_responses_request(body)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"input": "x", "previous_response_id": "resp_1"}, schema)
