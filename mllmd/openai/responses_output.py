@@ -270,7 +270,8 @@ async def response_stream(states: list[Any], asm: ResponseAssembler) -> AsyncIte
     async for _, item in merged(states):
         item = openai_item(item)
         if isinstance(item, RequestFailed):
-            yield asm.failure_event(item)
+            for ev in asm.fail(item):  # one event a chunk: the access log sees the failed one begin a chunk
+                yield sse_event(ev)
             return
         for ev in asm.feed(item):
             yield sse_event(ev)

@@ -259,14 +259,18 @@ class _State:
             self.queue.put_nowait(item)
 
 
-def run_stream(body: dict[str, Any], items: list[Any]) -> list[dict[str, Any]]:
+def stream_chunks(body: dict[str, Any], items: list[Any]) -> list[bytes]:
     asm = ResponseAssembler(parse_responses_request(body), OPTS)
 
     async def collect() -> list[bytes]:
         return [chunk async for chunk in response_stream([_State(items)], asm)]
 
+    return asyncio.run(collect())
+
+
+def run_stream(body: dict[str, Any], items: list[Any]) -> list[dict[str, Any]]:
     events = []
-    for chunk in asyncio.run(collect()):
+    for chunk in stream_chunks(body, items):
         for block in chunk.decode().split("\n\n")[:-1]:
             head, data = block.split("\n")
             ev = json.loads(data[len("data: "):])
@@ -380,6 +384,7 @@ def test_a_failure_ends_the_stream_with_response_failed():
     assert item_events(events)[-1] == "failed"
     r = check_response(events[-1]["response"])
     assert r.status == "failed" and r.error.code == "invalid_prompt" and r.error.param == "text.format"
+    assert stream_chunks(body, [*outputs("Hi there")[:2], failure])[-1].startswith(FAILED_EVENT_PREFIX)  # access log
     assert r.output[0].status == "incomplete"
     early = ResponseAssembler(parse_responses_request(body), OPTS).failure_event(RequestFailed("r", "internal", "x"))
     blocks = [json.loads(b.split("\ndata: ")[1]) for b in early.decode().split("\n\n")[:-1]]

@@ -583,6 +583,8 @@ def test_responses_stream_helper_and_structured_output(client: Any) -> None:
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objec"}}}}, "text.format"),
     ({"max_output_tokens": 10**9}, "max_output_tokens"),  # refused by the tokenizer worker: renamed too
     ({"extra_body": {"background": True}}, "background"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,iVBO"}]}]},
+     "input"),  # chat's image rules: this model takes no images
 ])
 def test_responses_refusals_name_the_field(client: Any, daemon: Any, kw: dict[str, Any], param: str) -> None:
     import openai
