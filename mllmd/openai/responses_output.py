@@ -146,7 +146,7 @@ class ResponseAssembler:
         return events + self._finish() if item.finished else events
 
     def _thinking(self) -> bool:
-        """Inside the reasoning (a reply that will open it counts from its first token)."""
+        """Inside the reasoning: opened (by the reply's `<think>`, or by the prompt) and not closed yet."""
         r = self.splitter.reasoner if self.splitter is not None else None
         return r is not None and not r.reasoning_ended and (r.in_reasoning or r.saw_reasoning)
 
