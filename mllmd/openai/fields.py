@@ -4,7 +4,7 @@ raises the OpenAI-shaped 400 that names the field by its full path (`messages[2]
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
 
 from mllmd.openai.errors import APIError, bad_request
 
@@ -25,7 +25,8 @@ def show(v: Any) -> str:
         return repr(v)
     if isinstance(v, str):
         return repr(v) if len(v) <= 40 else repr(v[:40]) + "..."
-    return {list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+    kinds: dict[type, str] = {list: "an array", dict: "an object"}
+    return kinds.get(type(v), type(v).__name__)
 
 
 def describe_range(lo: float | None, hi: float | None, lo_open: bool = False) -> str:
@@ -108,6 +109,10 @@ class JsonFields:
             raise self.err(key, f"must be a boolean (got {show(v)})")
         return v
 
+    @overload
+    def get_int(self, key: str, default: int, lo: int | None = None, hi: int | None = None) -> int: ...
+    @overload
+    def get_int(self, key: str, default: None, lo: int | None = None, hi: int | None = None) -> int | None: ...
     def get_int(
         self, key: str, default: int | None, lo: int | None = None, hi: int | None = None
     ) -> int | None:
