@@ -7,6 +7,7 @@ how long any request the fuzzer gets through can run).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -27,6 +28,7 @@ MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
 GEN = "/generate"
+RESP = "/v1/responses"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,7 @@ def assert_openai_error(r: httpx.Response, status: int | tuple[int, ...], param:
 ROUTES = [("GET", "/v1/models", None), ("POST", CHAT, {"messages": MSG, "max_tokens": 1}),
           ("POST", COMPL, {"prompt": "hi", "max_tokens": 1}),
           ("POST", GEN, {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
+          ("POST", RESP, {"input": "hi", "max_output_tokens": 1}),
           ("POST", "/abort_request", {"rid": "x"})]
 
 
@@ -83,7 +86,7 @@ def test_unauthenticated_garbage_is_401_not_400(d: Any) -> None:
 
 def test_key_accepted_and_health_open(d: Any, h: Any) -> None:
     assert httpx.get(d.base_url + "/health", timeout=10).status_code == 200
-    for method, path, body in ROUTES[:4]:
+    for method, path, body in ROUTES[:5]:
         r = h.request(method, path, json=body)
         assert r.status_code == 200, (path, r.text)
     r = httpx.get(d.base_url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=10)
@@ -111,7 +114,7 @@ RAW_BODIES = {
 }
 
 
-@pytest.mark.parametrize("path", [CHAT, COMPL, GEN])
+@pytest.mark.parametrize("path", [CHAT, COMPL, GEN, RESP])
 @pytest.mark.parametrize("name", sorted(RAW_BODIES))
 def test_malformed_body_is_400(h: Any, path: str, name: str) -> None:
     r = h.post(path, content=RAW_BODIES[name], headers={"Content-Type": "application/json"})
@@ -183,6 +186,39 @@ BAD_FIELDS: list[tuple[str, dict[str, Any], str | None]] = [
     (GEN, {"text": "hi", "sampling_params": {"max_tokens": 5}}, "sampling_params.max_tokens"),
     (GEN, {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
     (GEN, {"text": "hi", "top_logprobs_num": 3}, "top_logprobs_num"),
+    # the Responses API: its own fields, and chat's checks named by the Responses field they came from
+    (RESP, {}, "input"),
+    (RESP, {"input": None, "instructions": "x"}, "input"),
+    (RESP, {"input": {"role": "user", "content": "hi"}}, "input"),
+    (RESP, {"input": [None]}, "input[0]"),
+    (RESP, {"input": [[{"role": "user", "content": "hi"}]]}, "input[0]"),
+    (RESP, {"input": [{"role": ["user"], "content": "hi"}]}, "input[0].role"),
+    (RESP, {"input": [{"role": "user", "content": {"type": "input_text", "text": "hi"}}]}, "input[0].content"),
+    (RESP, {"input": [{"role": "user", "content": [{"type": "input_text", "text": None}]}]}, "input[0].content[0].text"),
+    (RESP, {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": [1]}]}, "input[0].arguments"),
+    (RESP, {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+     "input"),  # a model without a vision tower
+    (RESP, {"input": "hi", "instructions": ["x"]}, "instructions"),
+    (RESP, {"input": "hi", "max_output_tokens": 10**30}, "max_output_tokens"),
+    (RESP, {"input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
+    (RESP, {"input": "hi", "top_logprobs": 10**30}, "top_logprobs"),
+    (RESP, {"input": "hi", "temperature": None, "top_p": [1]}, "top_p"),
+    (RESP, {"input": "hi", "tools": {"name": "f"}}, "tools"),
+    (RESP, {"input": "hi", "tools": [{"type": "function", "name": "f" * 50_000}]}, "tools[0].name"),
+    (RESP, {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": [1]}]}, "tools[0].parameters"),
+    (RESP, {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function",
+                                                                                       "name": "g"}}, "tool_choice.name"),
+    (RESP, {"input": "hi", "tool_choice": []}, "tool_choice"),
+    (RESP, {"input": "hi", "text": {"format": [1]}}, "text.format"),
+    (RESP, {"input": "hi", "text": {"format": {"type": "json_schema", "name": "t", "schema": [1]}}}, "text.format.schema"),
+    (RESP, {"input": "hi", "reasoning": "high"}, "reasoning"),
+    (RESP, {"input": "hi", "include": {"message.output_text.logprobs": True}}, "include"),
+    (RESP, {"input": "hi", "include": [None, 5]}, "include[0]"),
+    (RESP, {"input": "hi", "metadata": {"k": {"nested": "v"}}}, "metadata.k"),
+    (RESP, {"input": "hi", "metadata": ["k"]}, "metadata"),
+    (RESP, {"input": "hi", "stream": "true"}, "stream"),
+    (RESP, {"input": "hi", "store": 1}, "store"),
+    (RESP, {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
 ]
 
 
@@ -210,6 +246,9 @@ def test_values_known_only_to_the_workers_are_400(h: Any, stream: bool) -> None:
         (COMPL, {"prompt": [1, 2], "logit_bias": {str(10**8): 5}}, [], "logit_bias"),  # ids: no tokenizer hop
         (CHAT, {"messages": MSG, "stop_token_ids": [10**8]}, [], "stop_token_ids"),
         (GEN, {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CONTEXT}}, [str(CONTEXT)], "*"),
+        (RESP, {"input": "hi", "max_output_tokens": 10**9}, ["max_output_tokens (1000000000)", str(CONTEXT)],
+         "max_output_tokens"),
+        (RESP, {"input": "hi", "stop_token_ids": [10**8]}, [], "stop_token_ids"),
     ]
     for path, body, numbers, param in cases:
         r = h.post(path, json={**body, "stream": stream})
@@ -237,10 +276,12 @@ def test_over_long_prompt_is_400_naming_both_numbers(h: Any, tokenizer: Any, str
     r = h.post(GEN, json={"text": text, "stream": stream})
     err = assert_openai_error(r, 400)
     assert str(n_prompt) in err["message"] and str(CONTEXT) in err["message"], err
+    err = assert_openai_error(h.post(RESP, json={"input": messages, "stream": stream}), 400, "input")
+    assert str(CONTEXT) in err["message"]
 
 
 def test_unknown_model_is_404(h: Any) -> None:
-    for path, body in ((CHAT, {"messages": MSG}), (COMPL, {"prompt": "hi"})):
+    for path, body in ((CHAT, {"messages": MSG}), (COMPL, {"prompt": "hi"}), (RESP, {"input": "hi"})):
         for stream in (False, True):
             err = assert_openai_error(h.post(path, json={**body, "model": "gpt-4o", "stream": stream}), 404, "model")
             assert err["code"] == "model_not_found" and "gpt-4o" in err["message"]
@@ -284,7 +325,7 @@ def test_bodies_held_open_are_bounded_in_all(d: Any, h: Any) -> None:
 
 def test_oversized_body_is_413(h: Any) -> None:
     big = {"messages": [{"role": "user", "content": "x" * (LIMIT + 10)}]}
-    for path in (CHAT, COMPL, GEN):
+    for path in (CHAT, COMPL, GEN, RESP):
         assert_openai_error(h.post(path, json=big), 413)
 
     def chunks() -> Any:  # no Content-Length: the limit is enforced while reading
@@ -361,14 +402,16 @@ def _fuzz_strategies() -> Any:
         "stream": st.booleans(), "return_logprob": st.booleans(), "top_logprobs_num": st.integers(0, 5),
     }).flatmap(lambda g: st.one_of(st.fixed_dictionaries({"text": words}), st.fixed_dictionaries(
         {"input_ids": st.lists(token, min_size=1, max_size=6)})).map(lambda p: {**g, **p}))
+    responses = _responses_strategy(st, words, sampling)
     valid = st.one_of(st.tuples(st.just(CHAT), chat), st.tuples(st.just(COMPL), completion),
-                      st.tuples(st.just(GEN), generate))
+                      st.tuples(st.just(GEN), generate), st.tuples(st.just(RESP), responses))
 
     @st.composite
     def corrupted(draw: Any) -> tuple[str, Any]:
         path, body = draw(valid)
         keys = sorted(set(body) | set(openai_common) | {"messages", "prompt", "text", "input_ids", "sampling_params",
-                                                          "logprobs", "top_logprobs", "tools", "tool_choice"})
+                                                          "logprobs", "top_logprobs", "tools", "tool_choice"}
+                      | (set(RESPONSES_KEYS) if path == RESP else set()))
         key = draw(st.sampled_from(keys) | st.text(max_size=8))
         target = body
         if path == GEN and isinstance(body.get("sampling_params"), dict) and draw(st.booleans()):
@@ -376,8 +419,101 @@ def _fuzz_strategies() -> Any:
         target[key] = draw(anything)
         return path, body
 
-    noise = st.tuples(st.sampled_from([CHAT, COMPL, GEN]), anything)
-    return st.one_of(valid, corrupted(), noise)
+    @st.composite
+    def corrupted_inside(draw: Any) -> tuple[str, Any]:
+        """A valid body with one value anywhere inside it (an input item's field, a part, a tool's
+        name, a format's schema) replaced."""
+        path, shared = draw(valid)
+        body = copy.deepcopy(shared)  # strategies hand out the same objects (st.just) again: not these
+        parent: Any = body
+        key: Any = draw(st.sampled_from(sorted(body))) if body else "x"
+        while isinstance(parent.get(key) if isinstance(parent, dict) else parent[key], (dict, list)):
+            child = parent[key]
+            if not child or draw(st.integers(0, 3)) == 0:
+                break
+            parent, key = child, draw(st.sampled_from(sorted(child) if isinstance(child, dict) else range(len(child))))
+        parent[key] = draw(anything)
+        return path, body
+
+    noise = st.tuples(st.sampled_from([CHAT, COMPL, GEN, RESP]), anything)
+    return st.one_of(valid, corrupted(), corrupted_inside(), noise)
+
+
+RESPONSES_KEYS = ("input", "instructions", "tools", "tool_choice", "text", "reasoning", "include", "top_logprobs",
+                  "max_output_tokens", "metadata", "store", "background", "truncation", "user", "parallel_tool_calls")
+
+
+def _responses_strategy(st: Any, words: Any, sampling: dict[str, Any]) -> Any:
+    """Valid /v1/responses bodies: string or item input (messages with text and image parts, function
+    calls and their outputs, reasoning items), flat tools, every format, effort, include and metadata."""
+    text_part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": words})
+    image_part = st.fixed_dictionaries({"type": st.just("input_image"), "image_url": st.sampled_from(
+        ["data:image/png;base64,iVBORw0KGgo=", "data:text/plain;base64,aGk=", "file:///etc/passwd"])},
+        optional={"detail": st.sampled_from(["auto", "low", "high", "original"])})
+    content = words | st.lists(text_part, min_size=1, max_size=3)
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
+                                     "content": content}, optional={"type": st.just("message")})
+    user_image = st.fixed_dictionaries({"role": st.just("user"), "content": st.lists(text_part | image_part,
+                                                                                     min_size=1, max_size=2)})
+    call_id = st.sampled_from(["call_1", "call_2"])
+    call = st.fixed_dictionaries({"type": st.just("function_call"), "call_id": call_id,
+                                  "name": st.sampled_from(["get_weather", "lookup"]),
+                                  "arguments": st.sampled_from(['{"city": "Paris"}', "{}", "not json", "[1, 2]"])})
+    output = st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": call_id,
+                                    "output": content})
+    reasoning = st.fixed_dictionaries({"type": st.just("reasoning"), "summary": st.just([])}, optional={
+        "content": st.lists(st.fixed_dictionaries({"type": st.just("reasoning_text"), "text": words}), max_size=2)})
+    loose = st.lists(st.one_of(message, message, user_image, call, output, reasoning), min_size=1, max_size=5)
+    round_trip = st.tuples(words, call, content, words).map(lambda t: [  # a call, then its output
+        {"role": "user", "content": t[0]}, t[1], {"type": "function_call_output", "call_id": t[1]["call_id"],
+                                                  "output": t[2]}, {"role": "user", "content": t[3]}])
+    items = loose | round_trip
+    tool = st.fixed_dictionaries({"type": st.just("function"), "name": st.sampled_from(["get_weather", "lookup"])},
+                                 optional={"description": words, "strict": st.booleans(), "parameters": st.just(
+                                     {"type": "object", "properties": {"city": {"type": "string"}}})})
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = st.sampled_from([{"type": "text"}, {"type": "json_object"},
+                           {"type": "json_schema", "name": "t", "schema": schema, "strict": True}])
+    return st.fixed_dictionaries({"input": words | items}, optional={
+        **sampling, "model": st.just(MODEL), "max_output_tokens": st.integers(1, 24), "instructions": words,
+        "stream": st.booleans(), "tools": st.lists(tool, min_size=1, max_size=2, unique_by=lambda t: t["name"]),
+        "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "name": "get_weather"}]),
+        "parallel_tool_calls": st.booleans(), "text": st.fixed_dictionaries({"format": fmt}),
+        "reasoning": st.fixed_dictionaries({}, optional={
+            "effort": st.sampled_from(["none", "minimal", "low", "medium", "high", "xhigh"]),
+            "summary": st.sampled_from(["auto", "concise", "detailed"])}),
+        "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]),
+                            max_size=2),
+        "top_logprobs": st.integers(0, 5), "store": st.booleans(), "truncation": st.sampled_from(["auto", "disabled"]),
+        "metadata": st.dictionaries(st.text(max_size=8), st.text(max_size=20), max_size=3), "user": words,
+        "chat_template_kwargs": st.fixed_dictionaries({"enable_thinking": st.booleans()}),
+    })
+
+
+def check_answer(path: str, status: int, content_type: str, raw: bytes, body: Any) -> None:
+    """A fuzzed request's answer: a 4xx in OpenAI's error shape, or a whole reply: a JSON body, or a
+    stream that ended well ([DONE]; on /v1/responses, which has none, response.completed or
+    response.incomplete, numbered from 0, no response.failed)."""
+    if status != 200:
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"}, (path, body, err)
+        return
+    if not content_type.startswith("text/event-stream"):
+        reply = json.loads(raw)
+        if path == RESP:
+            assert reply["object"] == "response" and reply["status"] in ("completed", "incomplete"), reply
+        return
+    events = [ln[6:] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
+    if path == RESP:
+        parsed = [json.loads(e) for e in events]
+        kinds = [e["type"] for e in parsed]
+        assert kinds and kinds[-1] in ("response.completed", "response.incomplete"), (body, kinds[-3:])
+        assert "response.failed" not in kinds and "error" not in kinds, (body, parsed[-1])
+        assert [e["sequence_number"] for e in parsed] == list(range(len(parsed))), body
+        return
+    assert events and events[-1] == "[DONE]", (path, body, events[-3:])
+    for e in events[:-1]:
+        assert "error" not in json.loads(e), (path, body, e)
 
 
 @pytest.mark.slow
@@ -397,16 +533,7 @@ def test_fuzz_no_5xx(d: Any, h: Any) -> None:
             raw = r.read()
         seen[r.status_code] = seen.get(r.status_code, 0) + 1
         assert r.status_code < 500, (path, body, r.status_code, raw[:500])
-        if r.status_code != 200:
-            err = json.loads(raw)["error"]
-            assert set(err) == {"message", "type", "param", "code"}
-        elif r.headers["content-type"].startswith("text/event-stream"):
-            events = [ln[6:] for ln in raw.decode().split("\n") if ln.startswith("data: ")]
-            assert events and events[-1] == "[DONE]", (path, body, events[-3:])
-            for e in events[:-1]:
-                assert "error" not in json.loads(e), (path, body, e)
-        else:
-            json.loads(raw)
+        check_answer(path, r.status_code, r.headers["content-type"], raw, body)
 
     t = time.monotonic()
     check()
