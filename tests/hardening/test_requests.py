@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -25,9 +27,13 @@ from .helpers import (
     admin,
     deep_json,
     error_of,
+    log_lines,
+    nested,
     post_raw,
     proc_status,
     reset_peak_rss,
+    sse_events,
+    status,
     tracked,
     wait_idle,
 )
@@ -431,3 +437,250 @@ def test_openapi_document_matches_the_routes(d: Any, h: httpx.Client) -> None:
                           headers={"Content-Type": "application/json"})
             assert not (r.status_code == 404 and "no route" in r.text), (method, path)
             assert r.status_code != 405, (method, path)
+
+
+# ---- the Responses API (/v1/responses): what its bodies and streams can do ---------------------------
+RESP = "/v1/responses"
+USER = {"role": "user", "content": "hi"}
+CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+TEXT_PART = {"type": "input_text", "text": "x"}
+IMAGE = {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}
+
+
+def _resp(**fields: Any) -> str:
+    return json.dumps({"input": "hi", "max_output_tokens": 1, **fields})
+
+
+def _resp_raw(fields_json: str) -> str:
+    """A Responses body with fields written as JSON text (deep nesting, NaN, lone surrogates)."""
+    return '{"input": "hi", "max_output_tokens": 1, ' + fields_json + "}"
+
+
+# name -> (body, the param its 400 names (None: the body as a whole), words its message holds)
+RESPONSES_REFUSED: dict[str, tuple[str | bytes, str | None, list[str]]] = {
+    # sizes: items, parts, strings
+    "input-50000-items": (_resp(input=[USER] * 50_000), "input", ["10000"]),
+    "input-50000-parts": (_resp(input=[{"role": "user", "content": [TEXT_PART] * 50_000}]), "input[0].content",
+                          ["1024"]),
+    "output-50000-parts": (_resp(input=[USER, CALL, {"type": "function_call_output", "call_id": "call_1",
+                                                     "output": [TEXT_PART] * 50_000}]), "input[2].output", ["1024"]),
+    "tool-name-1mb": (_resp(tools=[{"type": "function", "name": "f" * 1_000_000}]), "tools[0].name", ["64"]),
+    "call-name-1mb": (_resp(input=[USER, {**CALL, "name": "f" * 1_000_000}]), "input", ["context length"]),
+    "call-arguments-1mb": (_resp(input=[USER, {**CALL, "arguments": "x" * 1_000_000}]), "input", ["context length"]),
+    "metadata-value-1mb": (_resp(metadata={"k": "v" * 1_000_000}), "metadata.k", ["512"]),
+    "metadata-key-1mb": (_resp(metadata={"k" * 1_000_000: "v"}), "metadata", ["64"]),
+    "stop-40000": (_resp(stop="ab" * 20_000), "stop", ["server.max_stop_length"]),
+    # nesting: past server.max_json_depth, and within it where a string is due
+    "text-format-schema-600": (_resp_raw('"text": {"format": {"type": "json_schema", "name": "t", "schema": '
+                                         + deep_json(600) + "}}"), None, ["server.max_json_depth"]),
+    "tool-parameters-600": (_resp_raw('"tools": [{"type": "function", "name": "f", "parameters": ' + deep_json(600)
+                                      + "}]"), None, ["server.max_json_depth"]),
+    "metadata-600": (_resp_raw('"metadata": {"k": ' + deep_json(600) + "}"), None, ["server.max_json_depth"]),
+    "call-arguments-600": (_resp_raw('"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": '
+                                     + deep_json(600) + "}]"), None, ["server.max_json_depth"]),
+    "metadata-nested-20": (_resp(metadata={"k": nested(20)}), "metadata.k", ["string"]),
+    # integers msgpack cannot carry, in the free-form JSON passed on
+    "text-format-schema-huge-int": (_resp(text={"format": {"type": "json_schema", "name": "t", "schema": {
+        "type": "integer", "maximum": 10**40}}}), "text.format.schema", ["64-bit"]),
+    "tool-parameters-huge-int": (_resp(tools=[{"type": "function", "name": "f", "parameters": {
+        "type": "object", "maximum": 10**40}}]), "tools[0].parameters", ["64-bit"]),
+    "call-arguments-huge-int": (_resp(input=[USER, {**CALL, "arguments": {"n": 10**40}}]), "input[1].arguments",
+                                ["64-bit"]),
+    "template-kwargs-huge-int": (_resp(chat_template_kwargs={"x": 10**30}), "chat_template_kwargs", ["64-bit"]),
+    # text the workers could not carry, JSON numbers that are not finite, numbers out of range
+    "lone-surrogate-input": ('{"input": "a\\ud800b"}', None, ["JSON"]),
+    "lone-surrogate-call-id": ('{"input": [{"type": "function_call", "call_id": "\\udfff", "name": "f", '
+                               '"arguments": "{}"}]}', None, ["JSON"]),
+    "lone-surrogate-metadata-key": (_resp_raw('"metadata": {"\\udc00": "v"}'), None, ["JSON"]),
+    "invalid-utf8": (b'{"input": "\xff\xfe\xc3("}', None, ["UTF-8"]),
+    "temperature-nan": (_resp_raw('"temperature": NaN'), None, ["JSON"]),
+    "temperature-infinity": (_resp_raw('"temperature": -Infinity'), None, ["JSON"]),
+    "top-logprobs-1e999": (_resp_raw('"top_logprobs": 1e999'), None, ["JSON"]),
+    "max-output-tokens-1e30": (_resp(max_output_tokens=10**30), "max_output_tokens", ["2147483647"]),
+    "max-output-tokens-1e9": (_resp(max_output_tokens=10**9), "max_output_tokens", ["1000000000", "256"]),
+    "top-logprobs-1e30": (_resp(top_logprobs=10**30), "top_logprobs", ["20"]),
+    "temperature-1e308": (_resp(temperature=1e308), "temperature", ["2.0"]),
+    # wrong types
+    "input-null": (_resp(input=None), "input", ["required"]),
+    "input-object": (_resp(input=USER), "input", ["string or an array"]),
+    "input-item-array": (_resp(input=[[USER]]), "input[0]", ["object"]),
+    "input-item-type-object": (_resp(input=[{"type": {"a": 1}}]), "input[0].type", ["message"]),
+    "tools-object": (_resp(tools={"name": "f"}), "tools", ["array"]),
+    "tools-null-item": (_resp(tools=[None]), "tools[0]", ["object"]),
+    "text-array": (_resp(text=[{"format": {"type": "text"}}]), "text", ["object"]),
+    "reasoning-string": (_resp(reasoning="high"), "reasoning", ["object"]),
+    "include-object": (_resp(include={"message.output_text.logprobs": True}), "include", ["array"]),
+    "include-number": (_resp(include=["message.output_text.logprobs", 5]), "include[1]", ["string"]),
+    "metadata-array": (_resp(metadata=["k"]), "metadata", ["object"]),
+    "instructions-object": (_resp(instructions={"text": "x"}), "instructions", ["string"]),
+    # tools and choices that do not fit together
+    "tool-choice-unknown-tool": (_resp(tools=[{"type": "function", "name": "f"}],
+                                       tool_choice={"type": "function", "name": "g"}), "tool_choice.name", ["'g'"]),
+    "tool-choice-without-tools": (_resp(tool_choice={"type": "function", "name": "f"}), "tool_choice.name", ["'f'"]),
+    "tool-choice-required-without-tools": (_resp(tool_choice="required"), "tool_choice", ["tools"]),
+    "tool-choice-hosted": (_resp(tool_choice={"type": "web_search"}), "tool_choice.type", ["function"]),
+    # images on a model without a vision tower (this one): refused before they are loaded
+    "image-not-an-image": (_resp(input=[{"role": "user", "content": [{**IMAGE, "image_url": "data:text/plain,hi"}]}]),
+                           "input", ["images are not supported"]),
+    "images-64": (_resp(input=[{"role": "user", "content": [IMAGE] * 64}]), "input", ["images are not supported"]),
+    # what needs state this server does not keep, and the template it does not take from a request
+    "previous-response-id": (_resp(previous_response_id="resp_1"), "previous_response_id", ["stateless"]),
+    "background": (_resp(background=True), "background", ["stateless"]),
+    "template-kwargs-chat-template": (_resp(chat_template_kwargs={"chat_template": PINNING_TEMPLATE}),
+                                      "chat_template_kwargs.chat_template", ["model.chat_template"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES_REFUSED))
+def test_hostile_responses_bodies_are_400_naming_the_field(d: Any, h: httpx.Client, name: str) -> None:
+    """Every hostile Responses body is a 400 in OpenAI's shape naming the Responses field (not the chat
+    field it was translated to), within the client's 60 s, however often it is sent (more than the
+    capacity: a leaked slot would end in 503s); streamed too; afterwards nothing is held and a normal
+    request is served."""
+    body, param, words = RESPONSES_REFUSED[name]
+    for i in range(CAPACITY + 2):
+        raw = body
+        if i % 2 and isinstance(body, str) and body.startswith('{"input"'):  # every other one streamed
+            raw = '{"stream": true, ' + body[1:]
+        err = error_of(post_raw(h, RESP, raw), 400)
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (name, err)
+        for word in words:
+            assert word in err["message"], (name, err)
+        assert "messages" not in err["message"] and "response_format" not in err["message"], err
+    assert_serving(h)
+    wait_idle(d)
+
+
+RESPONSES_SERVED: dict[str, dict[str, Any]] = {
+    # arguments are passed on as the client sent them (the model's own calls may be malformed JSON too)
+    "call-arguments-not-json": {"input": [USER, {**CALL, "arguments": "not json{"},
+                                          {"type": "function_call_output", "call_id": "call_1", "output": "ok"}]},
+    "call-arguments-object": {"input": [USER, {**CALL, "arguments": {"a": [1, {"b": None}]}}]},
+    # includes that name what this server never makes have no effect
+    "include-junk": {"include": ["junk", "reasoning.encrypted_content", "x" * 1000]},
+    # fields this server does not implement are ignored, however deep (within server.max_json_depth)
+    "unknown-fields": {"service_tier": nested(50), "prompt_cache_key": ["x"] * 1000, "max_tool_calls": 10**30},
+    "empty-input-text": {"input": ""},
+    "reasoning-only-before-the-reply": {"input": [USER, {"type": "reasoning", "summary": [
+        {"type": "summary_text", "text": "t"}] * 500}]},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES_SERVED))
+def test_odd_but_valid_responses_bodies_are_served(h: httpx.Client, name: str) -> None:
+    for stream in (False, True):
+        r = h.post(RESP, json={"input": "hi", "max_output_tokens": 2, "ignore_eos": True, **RESPONSES_SERVED[name],
+                               "stream": stream})
+        assert r.status_code == 200, (name, r.text[:500])
+        if stream:
+            kinds = [e["type"] for e in sse_events(r.text)]
+            assert kinds[-1] == "response.incomplete" and "response.failed" not in kinds, (name, kinds)
+        else:
+            assert r.json()["status"] == "incomplete", (name, r.text[:500])
+
+
+def _stream_body(tokens: int = 200) -> dict[str, Any]:
+    return {"input": "Count slowly.", "stream": True, "max_output_tokens": tokens, "ignore_eos": True}
+
+
+def test_a_responses_stream_left_after_its_first_event(d: Any, h: httpx.Client) -> None:
+    """A client that reads `response.created` and goes: its request is aborted, every time (more than
+    the capacity), and nothing stays held."""
+    for _ in range(CAPACITY + 2):
+        with d.http(timeout=30) as c, c.stream("POST", RESP, json=_stream_body()) as r:
+            assert r.status_code == 200
+            first = next(ln for ln in r.iter_lines() if ln.startswith("data: "))
+            assert json.loads(first[6:])["type"] == "response.created"
+    wait_idle(d)
+    assert_serving(h)
+
+
+def _dropped_stream(d: Any, events: int) -> None:
+    """A Responses stream whose socket is reset (SO_LINGER 0) after `events` events."""
+    raw = json.dumps(_stream_body()).encode()
+    s = socket.create_connection(("127.0.0.1", d.port), timeout=30)
+    s.sendall(f"POST {RESP} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    got = b""
+    while got.count(b"\ndata: ") < events:
+        chunk = s.recv(4096)
+        assert chunk, got[-300:]
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200"), got[:300]
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    s.close()
+
+
+def test_concurrent_responses_streams_reset_midway_release_everything(d: Any, h: httpx.Client) -> None:
+    """As many streams as the daemon takes (running and queued), each reset by its client after a few
+    events, three rounds: no request stays in flight in any process, and the KV cache holds nothing
+    once the prefix cache is flushed."""
+    errors: list[BaseException] = []
+
+    def drop(events: int) -> None:
+        try:
+            _dropped_stream(d, events)
+        except BaseException as e:  # reported by the test's thread
+            errors.append(e)
+
+    for round_ in range(3):
+        threads = [threading.Thread(target=drop, args=(1 + (round_ + i) % 4,)) for i in range(CAPACITY)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        assert not any(t.is_alive() for t in threads) and not errors, errors
+        wait_idle(d)
+    assert admin(d, "POST", "/admin/flush-cache").status_code == 200
+    deadline = time.monotonic() + 30
+    while (kv := status(d)["kv_cache"])["free_tokens"] != kv["total_tokens"]:  # the scheduler's next stats
+        assert time.monotonic() < deadline, f"KV cache still held after a flush: {kv}"
+        time.sleep(0.2)
+    assert kv["usage_ratio"] == 0 and kv["cached_tokens"] == 0, kv
+    assert_serving(h)
+
+
+def test_a_responses_stream_read_slowly_holds_no_request_slot(d: Any, h: httpx.Client) -> None:
+    """A client that reads its stream a few bytes at a time (its receive window nearly shut): the
+    request leaves the engine and every process once its tokens are made, the daemon serves others
+    meanwhile, and the stream, read to its end, is whole."""
+    raw = json.dumps(_stream_body(240)).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.settimeout(30)
+    s.connect(("127.0.0.1", d.port))
+    try:
+        s.sendall(f"POST {RESP} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  f"Authorization: Bearer {KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        got = s.recv(64)
+        assert got.startswith(b"HTTP/1.1 200"), got
+        wait_idle(d)  # not read yet, but made: nothing held for it
+        assert d.health()[0] == 200
+        assert_serving(h)
+        while not got.endswith(b"0\r\n\r\n"):  # the last chunk of the chunked body
+            chunk = s.recv(65536)
+            assert chunk, got[-300:]
+            got += chunk
+    finally:
+        s.close()
+    text = got.split(b"\r\n\r\n", 1)[1].decode()
+    events = [json.loads(ln[6:]) for ln in text.split("\n") if ln.startswith("data: ")]
+    assert events[-1]["type"] == "response.incomplete", events[-1]["type"]
+    assert events[-1]["response"]["usage"]["output_tokens"] == 240
+
+
+def test_responses_client_errors_are_logged_in_one_line_without_the_key(d: Any, h: httpx.Client) -> None:
+    """A refused Responses request is one access-log line: no traceback, no handler error, and
+    neither the API key nor a wrong one a client tried appears in the log."""
+    before = len(log_lines(d))
+    names = sorted(RESPONSES_REFUSED)
+    for name in names:
+        assert post_raw(h, RESP, RESPONSES_REFUSED[name][0]).status_code == 400
+    wrong = "sk-wrong-key-5555555555"
+    assert httpx.post(d.base_url + RESP, json={"input": "hi"}, headers={"Authorization": f"Bearer {wrong}"},
+                      timeout=30).status_code == 401
+    lines = log_lines(d)[before:]
+    assert sum(f"POST {RESP} 400 " in ln for ln in lines) == len(names), "\n".join(lines[-20:])
+    assert sum(f"POST {RESP} 401 " in ln for ln in lines) == 1
+    bad = [ln for ln in lines if "Traceback" in ln or "mllmd.http" in ln or KEY in ln or wrong in ln]
+    assert not bad, "\n".join(bad[:20])
