@@ -9,10 +9,11 @@ not `messages[3].content[0].text`).
 The mapping: `instructions` is a system message first; `input` a string (one user message) or items:
 messages (roles user / system / developer / assistant; `input_text`, `output_text` and `input_image`
 parts), `function_call` items (the tool calls of the assistant turn they follow), `function_call_output`
-items (tool messages) and `reasoning` items (the next assistant turn's `reasoning_content`). Flat
-`function` tools become chat's nested ones, `text.format` the `response_format`, `max_output_tokens`
-`max_tokens`, `reasoning.effort` chat's `reasoning_effort` (none / minimal turn thinking off), and the
-`message.output_text.logprobs` include asks for logprobs (`top_logprobs` alternatives).
+items (tool messages; each answers a function_call before it) and `reasoning` items (the next assistant
+turn's `reasoning_content`). Flat `function` tools become chat's nested ones, `text.format` the
+`response_format`, `max_output_tokens` `max_tokens`, `reasoning.effort` chat's `reasoning_effort` (none /
+minimal turn thinking off), and the `message.output_text.logprobs` include asks for logprobs
+(`top_logprobs` alternatives).
 
 The server is stateless: nothing is stored, whatever `store` says (the response does not claim to be
 stored: the SDK's `Response` has no `store` field). So `previous_response_id`, `conversation`, saved
@@ -110,6 +111,7 @@ class _Input:
         self.messages: list[dict[str, Any]] = []
         self.params = params
         self.reasoning: str | None = None  # a reasoning item's text, for the next assistant turn
+        self.call_ids: set[str] = set()  # of the function_call items so far
 
     def _append(self, msg: dict[str, Any], source: str) -> str:
         """Add a chat message; returns its chat path."""
@@ -191,6 +193,8 @@ class _Input:
         k = len(self.messages) - 1
         calls = self.messages[k].setdefault("tool_calls", [])
         call = f"messages[{k}].tool_calls[{len(calls)}]"
+        if isinstance(o.raw("call_id"), str):
+            self.call_ids.add(o.raw("call_id"))
         calls.append({"id": o.raw("call_id"), "type": "function",
                       "function": {"name": o.raw("name"), "arguments": o.raw("arguments")}})
         for chat, ours in ((call, o.path), (f"{call}.id", o.param("call_id")), (f"{call}.function", o.path),
@@ -199,6 +203,12 @@ class _Input:
             self.params.add(chat, ours)
 
     def function_call_output(self, o: JsonFields) -> None:
+        """A tool message: the output of a function_call earlier in the input (as OpenAI requires;
+        the model would read the result of a call it never made)."""
+        call_id = o.raw("call_id")
+        if isinstance(call_id, str) and call_id not in self.call_ids:
+            raise o.err("call_id", f"matches no function_call before it in 'input' (got {show(call_id)}): "
+                                   "send the function_call item whose output this is first")
         path = f"messages[{len(self.messages)}]"
         msg = {"role": "tool", "tool_call_id": o.raw("call_id"),
                "content": self.content(o.raw("output"), f"{path}.content", o.param("output"))}

@@ -513,6 +513,13 @@ RESPONSES_REFUSED: dict[str, tuple[str | bytes, str | None, list[str]]] = {
     "include-number": (_resp(include=["message.output_text.logprobs", 5]), "include[1]", ["string"]),
     "metadata-array": (_resp(metadata=["k"]), "metadata", ["object"]),
     "instructions-object": (_resp(instructions={"text": "x"}), "instructions", ["string"]),
+    # a function_call_output must answer a function_call before it (OpenAI's rule too)
+    "output-without-call": (_resp(input=[USER, {"type": "function_call_output", "call_id": "call_1", "output": "x"}]),
+                            "input[1].call_id", ["function_call", "'call_1'"]),
+    "output-call-id-mismatch": (_resp(input=[USER, CALL, {"type": "function_call_output", "call_id": "call_2",
+                                                          "output": "x"}]), "input[2].call_id", ["'call_2'"]),
+    "output-before-its-call": (_resp(input=[USER, {"type": "function_call_output", "call_id": "call_1", "output": "x"},
+                                            CALL]), "input[1].call_id", ["'call_1'"]),
     # tools and choices that do not fit together
     "tool-choice-unknown-tool": (_resp(tools=[{"type": "function", "name": "f"}],
                                        tool_choice={"type": "function", "name": "g"}), "tool_choice.name", ["'g'"]),
