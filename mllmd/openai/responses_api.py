@@ -242,6 +242,9 @@ def _messages(o: JsonFields, params: ParamMap) -> list[dict[str, Any]]:
         check_count(v, "input", MAX_MESSAGES, "items")
         for i, raw in enumerate(v):
             ins.item(raw, f"input[{i}]")
+        if v and not ins.messages:  # reasoning items only: chat's "must not be empty" would puzzle
+            raise o.err("input", "holds no message, function_call or function_call_output: reasoning items "
+                                 "are only context for the assistant turn after them")
     else:
         raise o.err("input", f"must be a string or an array of input items (got {show(v)})")
     return ins.messages

@@ -184,6 +184,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text"}]}]}, "input[0].content[0].text"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}]}]}, "input"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                     "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "d", "output": "x"}]}, "input[2].call_id"),

@@ -520,6 +520,8 @@ RESPONSES_REFUSED: dict[str, tuple[str | bytes, str | None, list[str]]] = {
                                                           "output": "x"}]), "input[2].call_id", ["'call_2'"]),
     "output-before-its-call": (_resp(input=[USER, {"type": "function_call_output", "call_id": "call_1", "output": "x"},
                                             CALL]), "input[1].call_id", ["'call_1'"]),
+    "reasoning-items-only": (_resp(input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}]}]
+                                   * 5000), "input", ["reasoning items"]),
     # tools and choices that do not fit together
     "tool-choice-unknown-tool": (_resp(tools=[{"type": "function", "name": "f"}],
                                        tool_choice={"type": "function", "name": "g"}), "tool_choice.name", ["'g'"]),
