@@ -192,6 +192,7 @@ class _Input:
             self._append(self._assistant({"role": "assistant", "content": None}), o.path)
         k = len(self.messages) - 1
         calls = self.messages[k].setdefault("tool_calls", [])
+        self.params.add(f"messages[{k}].tool_calls", "input")  # the turn's calls: function_call items in a row
         call = f"messages[{k}].tool_calls[{len(calls)}]"
         if isinstance(o.raw("call_id"), str):
             self.call_ids.add(o.raw("call_id"))

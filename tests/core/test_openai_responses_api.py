@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from mllmd.messages import PromptMeta, RequestFailed, TextOutput, TokenLogprob, TopLogprob
 from mllmd.openai.errors import APIError
-from mllmd.openai.limits import MAX_MESSAGES
+from mllmd.openai.limits import MAX_MESSAGES, MAX_TOOL_CALLS
 from mllmd.openai.protocol import parse_chat_request
 from mllmd.openai.responses_api import parse_responses_request
 from mllmd.openai.responses_output import (
@@ -185,6 +185,8 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"input": [{"type": "reasoning", "content": [{"type": "reasoning_text"}]}]}, "input[0].content[0].text"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "r"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": "hi"}] + [{"type": "function_call", "call_id": f"c{i}", "name": "f",
+                                                       "arguments": "{}"} for i in range(MAX_TOOL_CALLS + 1)]}, "input"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c", "name": "f",
                                                     "arguments": "{}"},
                 {"type": "function_call_output", "call_id": "d", "output": "x"}]}, "input[2].call_id"),

@@ -513,6 +513,8 @@ RESPONSES_REFUSED: dict[str, tuple[str | bytes, str | None, list[str]]] = {
     "include-number": (_resp(include=["message.output_text.logprobs", 5]), "include[1]", ["string"]),
     "metadata-array": (_resp(metadata=["k"]), "metadata", ["object"]),
     "instructions-object": (_resp(instructions={"text": "x"}), "instructions", ["string"]),
+    "calls-300-in-one-turn": (_resp(input=[USER] + [{**CALL, "call_id": f"call_{i}"} for i in range(300)]), "input",
+                              ["256 tool calls"]),
     # a function_call_output must answer a function_call before it (OpenAI's rule too)
     "output-without-call": (_resp(input=[USER, {"type": "function_call_output", "call_id": "call_1", "output": "x"}]),
                             "input[1].call_id", ["function_call", "'call_1'"]),
