@@ -183,6 +183,51 @@ def test_placeholders_in_token_prompts_name_their_field(daemon: DaemonProc) -> N
     assert r.status_code == 400 and r.json()["error"]["param"] == "image_data", r.text
 
 
+def test_responses_images_refused_name_the_rule_and_the_field(daemon: DaemonProc, media: tuple[Path, Path]) -> None:
+    """/v1/responses input_image parts follow the chat rules (they are the chat code), refused naming the
+    Responses field: too many, not an image, bad base64, outside server.media_dirs, not in a user
+    message. A streamed image request left after its first event is aborted (no segment is left: the
+    test below)."""
+    import httpx
+
+    ok = data_url(png(smooth(16, 16, 4)))
+
+    def ask(*urls: str, **fields: Any) -> dict[str, Any]:
+        parts = [{"type": "input_image", "image_url": u} for u in urls]
+        return {"model": "tiny-qwen3-vl", "max_output_tokens": 2,
+                "input": [{"role": "user", "content": [*parts, {"type": "input_text", "text": "What is it?"}]}],
+                **fields}
+
+    refused = [
+        (ask(ok, ok, ok, ok), "input", "server.max_images_per_request"),
+        (ask(ok, ok, ok, ok, stream=True), "input", "server.max_images_per_request"),
+        (ask("data:text/plain;base64,aGk="), "input", "image.url"),
+        (ask("data:image/png;base64," + base64.b64encode(b"not a png").decode()), "input", "image.format"),
+        (ask("data:image/png;base64,@@@", stream=True), "input", "image.base64"),
+        (ask(str(media[1] / "secret.png")), "input", "server.media_dirs"),
+        (ask("file:///etc/passwd"), "input", "server.media_dirs"),
+        ({"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": ok}]}]},
+         "input[0].content[0].type", "user messages"),
+        ({"input": [{"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image",
+                                                                                 "image_url": ok}]}]},
+         "input[2].output[0].type", "user messages"),
+    ]
+    with httpx.Client(base_url=daemon.base_url, timeout=60) as h:
+        for body, param, words in refused:
+            r = h.post("/v1/responses", json=body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and words in err["message"], (param, err)
+        r = h.post("/v1/responses", json=ask(ok))
+        assert r.status_code == 200 and r.json()["usage"]["input_tokens"] > 12, r.text
+        with h.stream("POST", "/v1/responses", json=ask(ok, max_output_tokens=100, stream=True)) as s:
+            assert s.status_code == 200
+            first = next(ln for ln in s.iter_lines() if ln.startswith("data: "))
+            assert '"response.created"' in first
+
+
 def test_status_names_the_transport_and_no_segment_is_left(daemon: DaemonProc) -> None:
     with daemon.uds_http() as c:
         model = c.get("/admin/status").json()["model"]
