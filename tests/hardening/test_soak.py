@@ -1,5 +1,6 @@
 """A 10,000-request soak: streams, collected requests, n > 1, stop strings, client disconnects
-mid-stream and mid-collect, admin aborts, refused requests, 16 at a time. Afterwards nothing is held
+mid-stream and mid-collect, admin aborts, refused requests, on the chat, completions, native and
+Responses routes, 16 at a time. Afterwards nothing is held
 for any request in any process, the KV cache holds nothing but the evictable prefix cache, and every
 process's RSS is within 5% of where it was after a warm-up of the same mix."""
 
@@ -29,12 +30,52 @@ WARMUP = max(500, REQUESTS // 10)
 CONCURRENCY = 16
 MSG = [{"role": "user", "content": "Say something."}]
 KINDS = ["chat", "chat_stream", "completion_n2", "stop_strings", "disconnect_stream", "disconnect_collect",
-         "admin_abort", "refused", "generate", "chat_n3_stream"]
-WEIGHTS = [20, 20, 10, 10, 10, 5, 5, 10, 5, 5]
+         "admin_abort", "refused", "generate", "chat_n3_stream", "responses", "responses_stream",
+         "responses_disconnect", "responses_refused"]
+WEIGHTS = [20, 20, 10, 10, 10, 5, 5, 10, 5, 5, 8, 8, 8, 4]
+RESP = "/v1/responses"
+RESPONSES_REFUSED = [
+    {"input": []}, {"input": "hi", "temperature": 9}, {"input": "hi", "max_output_tokens": 10**6},
+    {"input": "hi", "stop": "x" * 2000}, {"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]},
+    {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]},
+    {"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+]
+
+
+async def one_responses(kind: str, h: httpx.AsyncClient, rng: random.Random) -> str:
+    """The Responses kinds of `one`."""
+    tokens = rng.randint(1, 6)
+    if kind == "responses":
+        r = await h.post(RESP, json={"input": MSG, "max_output_tokens": tokens, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["output_tokens"] == tokens, r.text
+        return "200"
+    if kind == "responses_stream":
+        body = {"input": MSG, "max_output_tokens": tokens, "ignore_eos": True, "stream": True}
+        async with h.stream("POST", RESP, json=body) as r:
+            assert r.status_code == 200
+            events = [json.loads(ln[6:]) async for ln in r.aiter_lines() if ln.startswith("data: ")]
+        last = events[-1]
+        assert last["type"] == "response.incomplete" and last["response"]["usage"]["output_tokens"] == tokens, last
+        return "200"
+    if kind == "responses_disconnect":
+        body = {"input": MSG, "max_output_tokens": 60, "ignore_eos": True, "stream": True}
+        async with h.stream("POST", RESP, json=body) as r:
+            assert r.status_code == 200
+            got, leave_at = 0, rng.randint(1, 8)
+            async for ln in r.aiter_lines():
+                got += ln.startswith("data: ")
+                if got >= leave_at:
+                    break  # leaving the block drops the connection mid-stream
+        return "disconnected"
+    r = await h.post(RESP, json=rng.choice(RESPONSES_REFUSED))
+    assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+    return "400"
 
 
 async def one(kind: str, h: httpx.AsyncClient, adm: httpx.AsyncClient, rng: random.Random) -> str:
     """Run one request of `kind`; returns an outcome label (anything unexpected raises)."""
+    if kind.startswith("responses"):
+        return await one_responses(kind, h, rng)
     tokens = rng.randint(1, 6)
     if kind == "chat":
         r = await h.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": tokens, "ignore_eos": True})
@@ -154,6 +195,7 @@ def test_soak(tiny_model: Path) -> None:
         print(f"soak: after  {json.dumps(after)}")
         assert sum(outcomes.values()) == REQUESTS
         assert outcomes["admin_abort:aborted"] > 0 and outcomes["disconnect_stream:disconnected"] > 0
+        assert outcomes["responses_disconnect:disconnected"] > 0 and outcomes["responses_stream:200"] > 0
         assert d.workers() == pids, "a worker was restarted during the soak"
         assert not any(after["held"].values())
         assert after["kv_used_ratio"] == before["kv_used_ratio"] == 0, (before, after)
