@@ -115,6 +115,7 @@ def test_a_dribbled_body_does_not_hold_its_connection(d: Any) -> None:
         f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n{chunked}\r\n",
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n{chunked}\r\n",  # no key: 401
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n{chunked}\r\n",
+        f"POST /v1/responses HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n{chunked}\r\n",
     ]
     socks = connect(d, len(heads))
     for s, head in zip(socks, heads):
@@ -127,6 +128,7 @@ def test_a_dribbled_body_does_not_hold_its_connection(d: Any) -> None:
     statuses = [o.split(b"\r\n", 1)[0] for o in outcomes if o is not None]
     assert statuses[0].startswith(b"HTTP/1.1 200") and statuses[1].startswith(b"HTTP/1.1 401"), statuses
     assert statuses[2].startswith(b"HTTP/1.1 408"), statuses  # the handler's body deadline
+    assert statuses[3].startswith(b"HTTP/1.1 408"), statuses
     assert took < BODY_TIMEOUT + 10, took
     for s in socks:
         s.close()
