@@ -189,7 +189,8 @@ def _responses(limits: L.Limits, free_json: dict[str, Any]) -> dict[str, Any]:
     fmt = {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": list(P.RESPONSE_FORMATS)}, "name": {"type": "string", "minLength": 1},
         "description": {"type": "string"}, "schema": {"type": "object"}, "strict": {"type": "boolean"}},
-        "description": "json_schema needs name; the grammar as chat's response_format"}
+        "description": f"json_schema needs name; the grammar as chat's response_format; at most {RA.MAX_FORMAT_JSON} "
+                       "characters of JSON"}
     stateless = "refused: the server is stateless (nothing is stored)"
     return {"type": "object", "required": ["input"], "properties": {
         "model": {"type": "string"}, "stream": {"type": "boolean", "default": False},
@@ -210,7 +211,7 @@ def _responses(limits: L.Limits, free_json: dict[str, Any]) -> dict[str, Any]:
         "metadata": {"type": "object", "maxProperties": RA.MAX_METADATA,
                      "propertyNames": {"maxLength": RA.MAX_METADATA_KEY},
                      "additionalProperties": {"type": "string", "maxLength": RA.MAX_METADATA_VALUE}},
-        "user": {"type": "string"}, "store": {"type": "boolean", "description": "accepted; nothing is ever stored"},
+        "user": {"type": "string", "maxLength": RA.MAX_USER}, "store": {"type": "boolean", "description": "accepted; nothing is ever stored"},
         "truncation": {"enum": list(RA.TRUNCATIONS), "description": "auto is served as disabled"},
         "background": {"const": False}, "previous_response_id": {"type": "null", "description": stateless},
         "conversation": {"type": "null", "description": stateless},

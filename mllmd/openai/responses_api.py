@@ -26,6 +26,7 @@ input longer than the context is a 400.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +59,11 @@ EFFORTS = {"xhigh": "high", "max": "high"}
 SUMMARIES = ("auto", "concise", "detailed")  # accepted; the reasoning is returned whole, never summarised
 IMAGE_DETAILS = {"original": "high"}  # an image is never sent above server.max_image_pixels anyway
 MAX_METADATA, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's bounds
+# What the response repeats of the request and no other bound limits (the prompt's fields are bounded by
+# the context): a stream repeats it three times, and a client that does not read its reply has the
+# daemon hold that for as long as it keeps the connection (a 7.5 MB `user` held 26 MB a connection)
+MAX_USER = MAX_METADATA_VALUE  # characters of `user` (OpenAI's safety_identifier takes 64)
+MAX_FORMAT_JSON = 128 * 1024  # characters of `text.format` as JSON: its name, description and schema
 
 
 class ParamMap:
@@ -289,6 +295,10 @@ def _text_format(o: JsonFields, params: ParamMap) -> tuple[dict[str, Any] | None
         return {"type": kind}, {"type": kind}
     params.add("response_format.json_schema", fmt.path)
     schema: dict[str, Any] = {k: fmt.d[k] for k in ("name", "description", "schema", "strict") if k in fmt.d}
+    size = len(json.dumps(schema, ensure_ascii=False))
+    if size > MAX_FORMAT_JSON:
+        raise bad_request(f"'{fmt.path}' is {size} characters of JSON; at most {MAX_FORMAT_JSON} (the response "
+                          "repeats it)", fmt.path)
     echo = {**schema, "type": "json_schema", "schema": schema.get("schema") or {}, "strict": bool(schema.get("strict"))}
     return {"type": "json_schema", "json_schema": schema}, echo
 
@@ -360,6 +370,8 @@ def parse_responses_request(body: Any, limits: Limits = DEFAULT_LIMITS) -> Respo
         chat.update(logprobs=True, top_logprobs=top_logprobs)
         params.add("logprobs", "include")
     metadata, user = _metadata(o), o.get_str("user")
+    if user is not None and len(user) > MAX_USER:
+        raise o.err("user", f"must be at most {MAX_USER} characters (got {len(user)})")
     try:
         req = parse_chat_request({k: v for k, v in chat.items() if v is not None}, limits)
     except APIError as e:

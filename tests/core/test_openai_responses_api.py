@@ -213,6 +213,8 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
     ({"metadata": {"k": 5}}, "metadata.k"),
     ({"truncation": "middle"}, "truncation"),
+    ({"user": "u" * 513}, "user"),
+    ({"text": {"format": {"type": "json_schema", "name": "t", "description": "d" * (128 * 1024)}}}, "text.format"),
     ({"instructions": 5}, "instructions"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"input": [{"role": "user", "content": "hi"}] * (MAX_MESSAGES + 1)}, "input"),

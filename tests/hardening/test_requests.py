@@ -470,6 +470,14 @@ RESPONSES_REFUSED: dict[str, tuple[str | bytes, str | None, list[str]]] = {
     "metadata-value-1mb": (_resp(metadata={"k": "v" * 1_000_000}), "metadata.k", ["512"]),
     "metadata-key-1mb": (_resp(metadata={"k" * 1_000_000: "v"}), "metadata", ["64"]),
     "stop-40000": (_resp(stop="ab" * 20_000), "stop", ["server.max_stop_length"]),
+    # what the response repeats (three times in a stream) of the request, held while its client does not read
+    "user-1mb": (_resp(user="u" * 1_000_000), "user", ["512"]),
+    "text-format-description-1mb": (_resp(text={"format": {"type": "json_schema", "name": "t", "description": "d" * 1_000_000,
+                                                           "schema": {"type": "object"}}}), "text.format", ["131072"]),
+    "text-format-name-1mb": (_resp(text={"format": {"type": "json_schema", "name": "n" * 1_000_000}}), "text.format",
+                             ["131072"]),
+    "text-format-schema-strings-1mb": (_resp(text={"format": {"type": "json_schema", "name": "t", "schema": {
+        "type": "object", "title": "t" * 1_000_000}}}), "text.format", ["131072"]),
     # nesting: past server.max_json_depth, and within it where a string is due
     "text-format-schema-600": (_resp_raw('"text": {"format": {"type": "json_schema", "name": "t", "schema": '
                                          + deep_json(600) + "}}"), None, ["server.max_json_depth"]),
