@@ -1,4 +1,5 @@
-"""Issue 35, items 1-4, 9, 10 and the OpenAPI document: what one request body can do to the daemon.
+"""Issue 35, items 1-4, 9, 10 and the OpenAPI document: what one request body can do to the daemon;
+the same for the Responses API (/v1/responses), its bodies and its streams.
 
 One daemon with room for 2 running + 2 queued requests (a leaked slot shows at once as a 503), a
 256-token context, an API key and an admin key.
