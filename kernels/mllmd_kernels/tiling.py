@@ -14,7 +14,7 @@ from mllmd_kernels._triton import tl, triton
 @functools.lru_cache(maxsize=8)
 def _smem_per_block(device_index: int) -> int:
     props = torch.cuda.get_device_properties(device_index)
-    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)  # torch >= 2.7; else by capability
     if optin:
         return optin
     # By compute capability: sm90 227 KB, sm80/sm87 (A100, Orin) 163 KB, other consumer parts 99 KB.

@@ -37,6 +37,7 @@ import torch
 from mllmd_kernels import cuda_build, knobs
 from mllmd_kernels._triton import pdl_args, sm_count_for
 from mllmd_kernels.rmsnorm import NormInput
+from mllmd_kernels.tiling import _smem_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -253,9 +254,8 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None if _library_for(arch) is not None else _REASONS.get(arch, "unavailable")
 
 
-@functools.lru_cache(maxsize=8)
 def _smem_limit(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
+    return _smem_per_block(device_index)  # torch < 2.7 has no shared_memory_per_block_optin: by capability
 
 
 def fits(m: int, k: int, group: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -256,6 +256,26 @@ def test_offset_form_and_shared_memory_fit(monkeypatch: pytest.MonkeyPatch) -> N
     assert not mma.fits(1, 12288, 32, bf, dev)  # nor do the sums of 32-column chunks
 
 
+@pytest.mark.parametrize(("props", "limit"), [
+    ({"major": 8, "minor": 7}, 166912),  # torch < 2.7 (Orin's 2.4): no shared_memory_per_block_optin
+    ({"major": 9, "minor": 0}, 232448),
+    ({"major": 8, "minor": 7, "shared_memory_per_block_optin": 100000}, 100000),
+])  # fmt: skip
+def test_shared_memory_limit_without_the_optin_property(
+    props: dict[str, int], limit: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from mllmd_kernels import tiling
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(**props))
+    tiling._smem_per_block.cache_clear()
+    try:
+        assert mma._smem_limit(0) == limit
+    finally:
+        tiling._smem_per_block.cache_clear()
+
+
 def test_misaligned_x_is_refused_by_name() -> None:
     x = torch.zeros(1, 264, dtype=torch.bfloat16)[:, 8:]  # starts 16 bytes in: aligned
     assert mma.aligned(x)
