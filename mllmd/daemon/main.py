@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from mllmd import __version__, knobs, logfmt
+from mllmd import __version__, heap, knobs, logfmt
 from mllmd.config import ConfigError, EngineConfig
 from mllmd.daemon.config import DaemonConfig, load_config
 from mllmd.daemon.http_common import BodyBudget
@@ -532,6 +532,7 @@ class Daemon:
             logger.info("model %s ready in %.1f s", slot.served_name, slot.load_seconds or 0.0)
             if old is not None:
                 self._retire(old, drain=True)
+            heap.freeze_long_lived()  # the new slot's objects; the last swap's garbage collected first
         elif failed is not None or time.monotonic() - slot.load_started > self.config.workers.ready_timeout:
             why = (failed.last_error or "the worker exited") if failed is not None else "timed out"
             self.load_error = f"loading {slot.engine.model_path} failed: {why}"
@@ -725,6 +726,7 @@ class Daemon:
                 yield
 
         server = _Server(uconfig)
+        heap.freeze_long_lived()  # the app, the config, the imports: alive for the daemon's whole life
         tasks = [
             asyncio.create_task(self._supervise_loop()),
             asyncio.create_task(self._watchdog_loop()),
