@@ -67,6 +67,7 @@ class ServerSection:
     max_json_depth: int = _opt(64, "deepest nesting of objects and arrays in a request body; deeper: 400", low=2, high=256)
     max_stop_length: int = _opt(1024, "longest stop string, in characters; longer: 400", low=1, high=65536)
     body_timeout: float = _opt(60.0, "seconds a client may take to send a request body once its headers are in; slower: 408", positive=True)
+    send_timeout: float = _opt(60.0, "seconds a response may wait on a client that reads none of it (its socket's buffers full); longer: the connection is cut and the request stops generating", positive=True)
     header_timeout: float = _opt(10.0, "seconds a connection may take to send a request's headers (from its first byte, or from the connection's start); slower: a 408 if some arrived, then closed", positive=True)
     max_header_bytes: int = _opt(65536, "largest request line + headers, in bytes (64 KiB); larger: 431 and the connection closed (checked before authentication)", low=1024)
     keepalive_timeout: float = _opt(5.0, "seconds an idle keep-alive connection stays open between requests", positive=True)

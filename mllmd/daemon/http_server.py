@@ -17,6 +17,11 @@ socket, worker restarts and the log). The guard adds, per connection:
   the rest of a chunked body forever: uvicorn's keep-alive timer restarts with every byte;
 - a response sent before its request's body ended closes the connection (after a lingering close):
   nothing more is wanted from it, and a client dribbling the body could otherwise hold it;
+- a send deadline (`server.send_timeout`): a response whose client reads nothing while its data waits
+  (the socket's buffers full: asyncio paused our writes) for that long is cut: the connection is aborted,
+  its buffered output dropped, and the handler sees a disconnect, which stops the request's generation.
+  A client that opened many streams and never reads them would otherwise keep the GPU generating their
+  whole max_tokens and the main process holding their output for as long as it keeps the connections;
 - idle keep-alive connections close after `server.keepalive_timeout` (uvicorn's own timer).
 """
 
@@ -76,11 +81,13 @@ class ConnectionGuard:
     header_timeout: float
     max_header_bytes: int
     body_timeout: float = 60.0
+    send_timeout: float = 60.0
     open: dict[str, int] = field(default_factory=lambda: {"tcp": 0, "unix": 0})
     refused: int = 0  # connections closed at once: over the limit
     timed_out: int = 0  # headers not complete within header_timeout
     too_large: int = 0  # headers over max_header_bytes
     body_timed_out: int = 0  # bodies not complete within body_timeout (+ LINGER)
+    send_timed_out: int = 0  # responses cut: their client read nothing for send_timeout
 
     def limit(self, kind: str) -> int:
         return self.caps.unix if kind == "unix" else self.caps.tcp
@@ -88,7 +95,7 @@ class ConnectionGuard:
     def stats(self) -> dict[str, Any]:
         return {"open": dict(self.open), "limits": {"tcp": self.caps.tcp, "unix": self.caps.unix},
                 "refused": self.refused, "header_timeouts": self.timed_out, "headers_too_large": self.too_large,
-                "body_timeouts": self.body_timed_out}
+                "body_timeouts": self.body_timed_out, "send_timeouts": self.send_timed_out}
 
 
 def _response(status: int, phrase: str, message: str, code: str, retry_after: int | None = None) -> bytes:
@@ -120,6 +127,7 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
         _header_timer: asyncio.TimerHandle | None = None
         _body_pending = False
         _body_timer: asyncio.TimerHandle | None = None
+        _send_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             self._kind = "unix" if isinstance(transport.get_extra_info("sockname"), str) else "tcp"
@@ -138,6 +146,7 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             self._cancel_header_timer()
             self._cancel_body_timer()
+            self._cancel_send_timer()
             if self._counted:
                 guard.open[self._kind] -= 1
                 self._counted = False
@@ -186,6 +195,28 @@ def protocol_class(guard: ConnectionGuard) -> type[HttpToolsProtocol]:
             super().on_response_complete()
             if self._body_pending and not self._closed_by_guard and not self.transport.is_closing():
                 self._close_with(b"", linger=True)  # answered before its body ended: nothing more to read
+
+        # the send deadline: asyncio pauses our writes while the transport's buffer is over its high mark
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(guard.send_timeout, self._send_deadline)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            self._cancel_send_timer()
+
+        def _cancel_send_timer(self) -> None:
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _send_deadline(self) -> None:
+            self._send_timer = None
+            if not self.transport.is_closing():
+                guard.send_timed_out += 1
+                self._closed_by_guard = True
+                self.transport.abort()  # close() would wait to flush what this client never reads
 
         # the body deadline
         def _cancel_body_timer(self) -> None:

@@ -59,7 +59,7 @@ LIVE_KEYS = (
     "server.api_key", "server.api_key_file", "server.admin_api_key", "server.max_queued_requests",
     "server.max_request_bytes", "server.shutdown_timeout", "server.reasoning_parser", "server.tool_call_parser",
     "server.metrics_require_key", "model.models_dir", "logging.level",
-    "server.max_json_depth", "server.max_stop_length", "server.body_timeout",
+    "server.max_json_depth", "server.max_stop_length", "server.body_timeout", "server.send_timeout",
     "server.default_max_tokens", "server.max_tokens_cap", "server.sse_keepalive_interval",
 )
 # Keys read when a model loads (the engine's, its workers' and the image loader's): a reload keeps the
@@ -660,6 +660,7 @@ class Daemon:
             self.bodies.resize(srv.max_request_bytes)
             if self.connections is not None:
                 self.connections.body_timeout = srv.body_timeout
+                self.connections.send_timeout = srv.send_timeout
             if "logging.level" in live:  # the workers take it at the next model load
                 logging.getLogger().setLevel(self.config.logging.level)
         logger.info("reload: applied %s; from the next model load %s; needs a restart: %s", live or "nothing",
@@ -695,7 +696,8 @@ class Daemon:
         logging.getLogger("uvicorn.error").addFilter(RateLimitFilter())
         srv = self.config.server
         caps = connection_caps(srv.max_connections, srv.max_unix_connections, raise_nofile_limit())
-        self.connections = ConnectionGuard(caps, srv.header_timeout, srv.max_header_bytes, srv.body_timeout)
+        self.connections = ConnectionGuard(caps, srv.header_timeout, srv.max_header_bytes, srv.body_timeout,
+                                           srv.send_timeout)
         sockets = [_tcp_listener(srv.host, srv.port, caps.backlog)]
         uds_ident = None
         if srv.unix_socket:
