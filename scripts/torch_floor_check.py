@@ -80,22 +80,12 @@ CHAT_KWARGS = {"enable_thinking": False}
 
 
 def _build(name: str, spec: dict[str, Any], out: Path) -> Path:
-    import torch
-    from safetensors.torch import load_file, save_file
-
     from mllmd.testing import checkpoints as ck
 
     kwargs = {k: v for k, v in spec.items() if k not in ("source", "image")}
     path = ck.build_tiny_checkpoint(out / name, spec["source"], **kwargs)
     if name == "qwen3_5":  # long memory: exp(A) in [0.001, 0.05] (with the default most heads forget at once)
-        g = torch.Generator().manual_seed(11)
-        for file in path.glob("*.safetensors"):
-            tensors = load_file(str(file))
-            for key in tensors:
-                if key.endswith("linear_attn.A_log"):
-                    a = torch.empty(tensors[key].shape).uniform_(0.001, 0.05, generator=g)
-                    tensors[key] = a.log().to(tensors[key].dtype)
-            save_file(tensors, str(file), metadata={"format": "pt"})
+        ck.redraw_decays(path, seed=11)
     return path
 
 

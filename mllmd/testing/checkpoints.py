@@ -157,6 +157,23 @@ def randomize_weights_(model: torch.nn.Module, *, seed: int, gain: float = LINEA
                 weight.copy_(draw_norm_scale(tuple(weight.shape), generator, flip_signs=module is final_norm) - offset)
 
 
+def redraw_decays(folder: Path, seed: int, low: float = 0.001, high: float = 0.05) -> None:
+    """Give a Qwen3.5 checkpoint's Gated DeltaNet heads long memory: A = exp(A_log) drawn in [low, high].
+    With transformers' init most heads forget within a token, so a lost or zeroed recurrent state
+    changes nothing and a test of state handling could not fail."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors = load_file(str(file))
+        for key in tensors:
+            if key.endswith("linear_attn.A_log"):
+                a = torch.empty(tensors[key].shape).uniform_(low, high, generator=g)
+                tensors[key] = a.log().to(tensors[key].dtype)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+
+
 def _is_norm(module: Any) -> bool:
     name = type(module).__name__
     return "RMSNorm" in name or "LayerNorm" in name

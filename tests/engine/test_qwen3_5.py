@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from mllmd import LLM, SamplingParams
 from mllmd.testing import checkpoints as ck
@@ -39,14 +38,7 @@ def build_long_memory_model(out_dir: Path) -> Path:
     out = ck.build_tiny_checkpoint(out_dir, "Qwen3.5-0.8B", num_hidden_layers=4, head_dim=32, seed=5)
     text = json.loads((out / "config.json").read_text())["text_config"]
     assert text["linear_num_value_heads"] > text["linear_num_key_heads"]
-    g = torch.Generator().manual_seed(11)
-    for path in out.glob("*.safetensors"):
-        tensors = load_file(str(path))
-        for name in tensors:
-            if name.endswith("linear_attn.A_log"):  # long memory: exp(A) in [0.001, 0.05]
-                a = torch.empty(tensors[name].shape).uniform_(0.001, 0.05, generator=g)
-                tensors[name] = a.log().to(tensors[name].dtype)
-        save_file(tensors, str(path), metadata={"format": "pt"})
+    ck.redraw_decays(out, seed=11)  # long memory: exp(A) in [0.001, 0.05]
     return out
 
 
