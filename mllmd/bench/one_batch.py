@@ -14,6 +14,11 @@ cache of every sequence at its mean length, and for hybrid models each sequence'
 read and written) over that bandwidth, divided by the measured median step. `--profile DIR` writes a torch profiler trace of each case's decode steps there (of its
 prefill with `--profile-phase prefill`). `--prefill-repeats N` times the prefill N times (one step
 each, cache flushed in between) and reports the median.
+
+`--image PATH [--prompt TEXT]` (vision-language models): every prompt of the batch is one chat turn
+holding that picture and the question, and the line adds pymllm's `vit_prefill_*` and
+`multimodal_prefill_*` measures; `--input-len` then counts image and text tokens together (only text
+is padded or cut; left out, the rendered turn's own length). See `mllmd/bench/image_case.py`.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ import torch
 
 from mllmd import LLM, SamplingParams
 from mllmd.engine.request import EngineImage
+from mllmd.multimodal.image_processing import (
+    DEFAULT_RESIZE_MAX_PIXELS,
+    VisionPreprocessConfig,
+    count_image_tokens,
+)
+
+DEFAULT_PROMPT = "Describe this image."
 
 
 @dataclass
@@ -95,6 +107,22 @@ def random_prompts(bs: int, input_len: int, vocab: int, seed: int) -> list[list[
     return torch.randint(100, min(vocab, 150000), (bs, input_len), generator=g).tolist()
 
 
+def image_turn_bound(model_path: str, image_path: str | None, prompt: str) -> int:
+    """At most how many tokens the chat turn [picture, prompt] renders to, before the model is loaded
+    (to size the KV pool): the picture's tokens at the engine's resize cap, read from the file's header,
+    plus one per byte of the prompt and 64 for the template."""
+    from PIL import Image
+
+    assert image_path is not None
+    try:
+        with Image.open(image_path) as im:
+            width, height = im.size
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise SystemExit(f"--image {image_path}: not a readable image ({exc})") from None
+    cfg = VisionPreprocessConfig.from_model_dir(model_path)
+    return count_image_tokens(height, width, cfg, DEFAULT_RESIZE_MAX_PIXELS) + len(prompt.encode()) + 64
+
+
 class _Profiler:
     """torch.profiler around a phase; writes a chrome trace and a kernel / CPU summary table."""
 
@@ -123,6 +151,16 @@ class _Profiler:
 
 
 Images = list[list[EngineImage] | None]  # per prompt: its images over their runs of image tokens
+
+
+def pictures(image: EngineImage | None, bs: int) -> Images | None:
+    """Image mode: one new copy of the picture per prompt (a content hash of its own, so neither cache
+    answers for it); text mode: None."""
+    if image is None:
+        return None
+    from mllmd.bench.image_case import fresh_copies
+
+    return [[c] for c in fresh_copies(image, bs)]
 
 
 def _add_requests(llm: LLM, prompts: list[list[int]], max_tokens: int, images: Images | None = None) -> None:
@@ -204,7 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1])
-    ap.add_argument("--input-len", type=int, nargs="+", default=[1024])
+    ap.add_argument("--input-len", type=int, nargs="+", default=None,
+                    help="prompt tokens (default 1024; with --image, the rendered turn's own length)")
     ap.add_argument("--output-len", type=int, nargs="+", default=[16])
     ap.add_argument("--run-name", default="default")
     ap.add_argument("--result-filename", default="result.jsonl")
@@ -226,17 +265,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-phase", choices=["decode", "prefill"], default="decode", help="what --profile records")
     ap.add_argument("--prefill-repeats", type=int, default=1, help="time the prefill this many times; report the median")
     ap.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size (default: exactly what the cases need)")
+    ap.add_argument("--image", default=None, metavar="PATH", help="image mode: one picture in every prompt (VL models)")
+    ap.add_argument("--prompt", default=None, help=f"image mode: the question after the picture (default: {DEFAULT_PROMPT!r})")
     args = ap.parse_args(argv)
+    if args.prompt is not None and args.image is None:
+        ap.error("--prompt needs --image")
+    if args.image is not None and args.baseline == "hf" and max(args.batch_size) > 1:
+        ap.error("--baseline hf with --image times batch size 1 only")
+    input_lens: list[int | None] = list(args.input_len) if args.input_len else [None if args.image else 1024]
 
     max_bs = max(args.batch_size)
-    max_tokens = max(args.input_len) + max(args.output_len)
+    max_tokens = max(n if n is not None else image_turn_bound(args.model_path, args.image, args.prompt or DEFAULT_PROMPT)
+                     for n in input_lens) + max(args.output_len)
     llm = LLM(
         args.model_path,
         dtype=args.dtype,
         device=args.device,
         max_running_requests=max_bs,
         max_total_tokens=args.max_total_tokens or max_bs * max_tokens + 16,
-        max_prefill_tokens=max_bs * max(args.input_len),
+        max_prefill_tokens=max_bs * (max_tokens - max(args.output_len)),
+        **({"max_encoder_tokens_per_step": max_bs * max_tokens} if args.image else {}),
         chunked_prefill_size=0,
         disable_radix_cache=True,
         random_seed=args.seed,
@@ -256,8 +304,16 @@ def main(argv: list[str] | None = None) -> None:
     hf_cache = args.hf_cache or ("static" if is_cuda else None)
     if hf_cache == "default":  # transformers' dynamic cache
         hf_cache = None
-    hf_model = None
-    if args.baseline == "hf":
+    hf_model = hf_vision = case = None
+    if args.image is not None:
+        from mllmd.bench import image_case
+
+        case = image_case.load_case(llm, args.image, args.prompt or DEFAULT_PROMPT)
+        if args.baseline == "hf":
+            from mllmd.bench.multimodal import HFVision
+
+            hf_vision = HFVision(args.model_path, info.dtype, info.device, int(info.hf_config.image_token_id))
+    elif args.baseline == "hf":
         from mllmd.testing.checkpoints import hf_model_class
 
         config = json.loads((Path(args.model_path) / "config.json").read_text(encoding="utf-8"))
@@ -269,22 +325,42 @@ def main(argv: list[str] | None = None) -> None:
         if hf_model is not None:
             time_hf(hf_model, warm, 4, hf_cache)
 
-    for bs, ilen, olen in itertools.product(args.batch_size, args.input_len, args.output_len):
-        prompts = random_prompts(bs, ilen, info.vocab_size, args.seed)
+    for bs, want_len, olen in itertools.product(args.batch_size, input_lens, args.output_len):
+        image: EngineImage | None = None
+        if case is not None:
+            from mllmd.bench import image_case
+
+            ids, image = image_case.fit_length(case, want_len, info.vocab_size, args.seed)
+            prompts, ilen = [ids] * bs, len(ids)
+        else:
+            ilen = int(want_len or 1024)
+            prompts = random_prompts(bs, ilen, info.vocab_size, args.seed)
         if is_cuda:  # the case's own shapes once, untimed: Triton compiles, cuBLAS picks its kernels
-            time_engine(llm, random_prompts(bs, ilen, info.vocab_size, args.seed + 1), 2)
+            warm = prompts if image is not None else random_prompts(bs, ilen, info.vocab_size, args.seed + 1)
+            time_engine(llm, warm, 2, images=pictures(image, bs))
         line: dict[str, Any] = {"run_name": args.run_name, "batch_size": bs, "input_len": ilen, "output_len": olen}
         trace = None
         if args.profile:
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             trace = str(Path(args.profile) / f"trace-bs{bs}-in{ilen}-out{olen}.json")
-        timing = time_engine(llm, prompts, olen, trace, args.profile_phase)
+        timing = time_engine(llm, prompts, olen, trace, args.profile_phase, images=pictures(image, bs))
         if args.prefill_repeats > 1:
-            runs = [timing.prefill_latency] + [time_prefill(llm, prompts) for _ in range(args.prefill_repeats - 1)]
+            runs = [timing.prefill_latency]
+            runs += [time_prefill(llm, prompts, pictures(image, bs)) for _ in range(args.prefill_repeats - 1)]
             timing.prefill_latency = statistics.median(runs)
             line["prefill_latencies"] = runs
         ours = timing.summary(bs, ilen, olen)
         line.update(ours)
+        if case is not None and image is not None:
+            vit = image_case.median_vit(llm, image, bs)
+            line.update(image=case.path, prompt=case.prompt, image_tokens=image.num_tokens)
+            line.update(image_case.pymllm_metrics(timing.prefill_latency, vit, bs, ilen, image.num_tokens))
+            if hf_vision is not None:
+                hf_vl = image_case.hf_figures(hf_vision, ids, case, olen, image.num_tokens)
+                line.update(hf_vl)
+                line["hf_multimodal_prefill_ratio"] = hf_vl["hf_multimodal_prefill_ms"] / line["multimodal_prefill_ms"]
+                line["hf_vit_ratio"] = hf_vl["hf_vit_prefill_ms"] / line["vit_prefill_ms"]
+                line["hf_ratio"] = hf_vl["hf_median_decode_latency"] / ours["median_decode_latency"]
         line.update(
             {
                 "device": str(info.device),
