@@ -130,6 +130,10 @@ def render_status(s: dict[str, Any]) -> str:
         lines.append(f"model:    {m.get('served_name')}  [{m.get('architecture')}, {m.get('dtype')}, "
                      f"quantization {m.get('quantization') or 'none'}]")
         lines.append(f"path:     {m.get('path')}")
+        tt = m.get("tensor_transport")
+        if tt:  # vision-language models: how images travel from the tokenizer worker to the GPU
+            lines.append(f"images:   tensor transport {tt.get('mode')}"
+                         + (f" (fallback: {tt['fallback_reason']})" if tt.get("fallback_reason") else ""))
     else:
         lines.append("model:    none")
     load = s.get("load") or {}

@@ -96,7 +96,7 @@ _WHITESPACE = re.compile(r"[ \t\r\n\f\v]+")
 
 
 class ImageError(ValueError):
-    """An image was refused; `rule` names the limit or check (e.g. "server.max_image_pixels")."""
+    """An image was refused; `rule` names the limit or check (e.g. "server.max_image_bytes", "image.decode")."""
 
     def __init__(self, message: str, rule: str) -> None:
         super().__init__(message)

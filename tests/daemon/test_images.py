@@ -17,6 +17,7 @@ import openai
 import pytest
 from PIL import Image
 
+from mllmd.ctl import render_status
 from mllmd.multimodal.shm import segments as shm_segments
 from mllmd.testing import checkpoints as ck
 from tests.daemon.conftest import DaemonProc, start_daemon, stop_and_check
@@ -230,9 +231,11 @@ def test_responses_images_refused_name_the_rule_and_the_field(daemon: DaemonProc
 
 def test_status_names_the_transport_and_no_segment_is_left(daemon: DaemonProc) -> None:
     with daemon.uds_http() as c:
-        model = c.get("/admin/status").json()["model"]
+        status = c.get("/admin/status").json()
+    model = status["model"]
     assert model["takes_images"] is True
     assert model["tensor_transport"] == {"mode": "default", "fallback_reason": None}
+    assert "images:   tensor transport default" in render_status(status).splitlines()
     pids = set(daemon.workers().values())
     left = [s for s in shm_segments() if any(s.startswith(f"mllmd_{p}_") for p in pids)]
     assert not left, f"shared-memory segments left behind: {left}"
