@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
-from mllmd.engine.prefix_cache import HybridRadixCache, PrefixCache, RadixCache
+from mllmd.engine.prefix_cache import HybridRadixCache, MatchResult, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
 from mllmd.engine.state_pool import StatePool
 from mllmd.engine.step_cost import MIN_CAPPED_TOKENS
@@ -164,14 +164,35 @@ class Scheduler:
                 self.state_pool.free(slot)
 
     def _alloc_state(self) -> int | None:
-        """A free state slot, giving up the prefix cache's least recently used snapshot if need be (the
-        snapshots a running prefill takes are in the cache too: one long prompt's, 64 for a 32K prompt
-        at the default interval, never keep the next request waiting until it finishes)."""
+        """A free state slot, giving up the prefix cache's least recently used unlocked snapshot if need
+        be (the snapshots a running prefill takes are in the cache too: one long prompt's, 64 for a 32K
+        prompt at the default interval, never keep the next request waiting until it finishes)."""
         assert self.state_pool is not None
         slot = self.state_pool.alloc()
         if slot is None and isinstance(self.cache, HybridRadixCache) and self.cache.evict_states(1):
             slot = self.state_pool.alloc()
         return slot
+
+    def _admit_state(self, match: MatchResult) -> int | None:
+        """The admitted request's own state slot, holding the state after its cached prefix (the matched
+        snapshot's copy; zeros without one). The match comes first and its snapshot is locked while a
+        slot is found, so that making room never evicts the very snapshot the request is about to start
+        from; with no other slot to free, the request takes the snapshot's slot itself (no copy)."""
+        assert self.state_pool is not None
+        if match.state is None or not isinstance(self.cache, HybridRadixCache):
+            slot = self._alloc_state()
+            if slot is not None:
+                self.state_pool.zero(slot)
+            return slot
+        self.cache.lock_state(match.last_node)
+        try:
+            slot = self._alloc_state()
+        finally:
+            self.cache.unlock_state(match.last_node)
+        if slot is not None:
+            self.state_pool.copy(match.state, slot)  # enqueued before anything can reuse the snapshot's slot
+            return slot
+        return self.cache.take_state(match.last_node)
 
     def _admit(self, req: Req) -> bool:
         """Give a waiting request a request slot (and a state slot), and its cached prefix; False if no
@@ -179,21 +200,14 @@ class Scheduler:
         idx = self.req_to_token_pool.alloc()
         if idx is None:
             return False
-        state = None
-        if self.state_pool is not None:
-            state = self._alloc_state()
-            if state is None:
-                self.req_to_token_pool.free(idx)
-                return False
         # prompt logprobs need every prompt position computed: no cached prefix until they are
         want_all = req.params.prompt_logprobs and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
         match = self.cache.match_prefix(req.cache_key(0 if want_all else len(req.token_ids) - 1))
         if self.state_pool is not None:
-            assert state is not None
-            if match.state is not None:  # the matched snapshot, read before anything can reuse its slot
-                self.state_pool.copy(match.state, state)
-            else:
-                self.state_pool.zero(state)
+            state = self._admit_state(match)
+            if state is None:
+                self.req_to_token_pool.free(idx)
+                return False
             req.state_slot = state
         n = int(match.indices.numel())
         self.cache.inc_lock_ref(match.last_node)

@@ -151,6 +151,27 @@ def test_prefix_hits_around_snapshot_boundaries(model: Path, hf: Any) -> None:
     assert llm.engine.is_idle_and_clean()
 
 
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_small_state_pool_keeps_the_snapshot_a_request_is_about_to_use(model: Path, hf: Any, slots: int) -> None:
+    """Making room for the new request's own state slot must not evict the snapshot its prefix match
+    found (it did: the slot came first and LRU took the snapshot, so a shared prefix never hit with 2
+    slots). With 2 slots the other snapshot goes; with 1 (only the matched snapshot holds a slot) the
+    request takes the snapshot's slot itself. Outputs equal the cold runs."""
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=0, state_slots=slots, state_snapshot_interval=32)
+    base = prompt(11, 100)
+    first = llm.generate([base + prompt(12, 10)], GREEDY)[0]
+    if slots == 2:  # a new question on the shared 100 tokens: the snapshot at 96 (taken while prefilling)
+        p = base + prompt(13, 10)
+        reused = 96
+    else:  # one slot: no snapshot while prefilling; the first request's final state is the one snapshot
+        p = base + prompt(12, 10) + first.token_ids + prompt(14, 5)
+        reused = 110 + NEW - 1
+    out = llm.generate([p], GREEDY)[0]
+    assert out.cached_tokens == reused
+    assert out.token_ids == hf_greedy(hf, p)
+    assert llm.engine.is_idle_and_clean()
+
+
 def test_zeroing_the_state_at_a_chunk_boundary_is_caught(model: Path, want_long: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The suite's power: a scheduler that loses the recurrent state when a prefill chunk ends (zeroes the
     request's slot) gives other tokens than transformers."""

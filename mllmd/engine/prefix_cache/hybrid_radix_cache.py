@@ -12,8 +12,9 @@ arrives meanwhile with the same prefix hits them, and they are evictable like an
 KV and snapshots are evicted apart: KV by the base class (LRU leaves; a deleted node's snapshot goes
 with it), snapshots LRU over unlocked nodes (`evict_states`), leaving the node's KV as a "tombstone"
 that longer matches may still pass through. A snapshot is locked from match until its copy into the
-request's own slot has been enqueued (`lock_state` / `unlock_state`), so it cannot be evicted and
-reused before it is read.
+request's own slot has been enqueued (`lock_state` / `unlock_state`), so that making room for that
+slot cannot evict it; with no other slot to be had, the request takes the snapshot's slot itself
+(`take_state`).
 
 Ownership of state slots: a slot given to `insert` belongs to the cache from then on, except those
 `insert` returns (a node that already had a snapshot), which the caller frees; the cache frees its
@@ -112,6 +113,15 @@ class HybridRadixCache(RadixCache):
                 child = self._split(child, n)
             node, i = child, i + n
         return node
+
+    def take_state(self, node: TreeNode) -> int | None:
+        """Detach `node`'s snapshot and hand its slot to the caller (who owns it from then on): a request
+        that starts from this snapshot when no other slot can be had; the node keeps its KV."""
+        slot = self._state.pop(node.id, None)
+        if slot is not None:
+            del self._state_nodes[node.id]
+            self._state_locks.pop(node.id, None)
+        return slot
 
     def evict_states(self, count: int) -> int:
         """Free up to `count` snapshot slots, least recently used unlocked nodes first."""
