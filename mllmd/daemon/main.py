@@ -327,7 +327,8 @@ class Daemon:
         check_ml_stack()
         facts = inspect_model(path, self.config.model.models_dir)
         engine = self._engine_for(path, overrides)
-        check_loadable(facts, max_running_requests=engine.max_running_requests, context=engine.context_length)
+        check_loadable(facts, max_running_requests=engine.max_running_requests, context=engine.context_length,
+                       state_slots=engine.state_slots)
         try:
             self.config.check_quantization(facts.quantization)
         except ConfigError as e:

@@ -62,6 +62,7 @@ class ModelFacts:
     takes_images: bool = False  # the config has a vision tower (Qwen3-VL, Qwen3.5)
     config_bytes: int = 0  # what config.json's sizes imply the parameters take (a lower bound)
     context_length: int | None = None  # max_position_embeddings
+    state_bytes_per_slot: int = 0  # hybrids (Qwen3.5): one request's recurrent + conv state, all DeltaNet layers
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -188,7 +189,24 @@ def inspect_model(path: str | os.PathLike[str], roots: list[str] | tuple[str, ..
              or (_TORCH_DTYPE_NAMES.get(max(dtypes, key=dtypes.__getitem__)) if dtypes else None))
     size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
     return ModelFacts(root.name, str(root), arch, params, dtype, quantization_of(config), size, weight_bytes, kv_per_token,
-                      isinstance(config.get("vision_config"), dict), config_weight_bytes(config), context_length(config))
+                      isinstance(config.get("vision_config"), dict), config_weight_bytes(config), context_length(config),
+                      state_bytes_per_slot(text, dtype))
+
+
+def state_bytes_per_slot(text: dict[str, Any], dtype: str | None) -> int:
+    """Bytes of one request's state in a hybrid model's Gated DeltaNet layers (0 for other models): the
+    conv state [2 Hk Dk + Hv Dv, K - 1] in the model dtype and the float32 recurrent state [Hv, Dk, Dv] a
+    layer, as mllmd.engine.state_pool lays them out (18 MiB for Qwen3.5-0.8B/2B, 48 MiB for 4B/9B)."""
+    kinds = text.get("layer_types")
+    layers = sum(k == "linear_attention" for k in kinds) if isinstance(kinds, list) else 0
+    try:
+        hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+        dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+        width = int(text["linear_conv_kernel_dim"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+    elem = 4 if dtype in ("float32", "torch.float32") else 2
+    return layers * ((2 * hk * dk + hv * dv) * (width - 1) * elem + hv * dk * dv * 4)
 
 
 def find_models(models_dirs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
@@ -305,10 +323,12 @@ def check_ml_stack() -> None:
 
 
 def check_loadable(facts: ModelFacts, budget_bytes: int | None = None, max_running_requests: int = 0,
-                   context: int | None = None) -> None:
+                   context: int | None = None, state_slots: int | None = None) -> None:
     """Refuse a model we cannot run: unsupported architecture, too big for memory. What it needs is
     counted before any worker allocates: the weights (or what config.json's sizes make them, if more),
-    MIN_KV_TOKENS of KV and the request table (`max_running_requests` rows of `context` positions)."""
+    MIN_KV_TOKENS of KV, the request table (`max_running_requests` rows of `context` positions) and,
+    hybrid models, the recurrent-state slots (`cache.state_slots`; left unset, the one slot the memory
+    plan never goes below)."""
     if facts.architecture not in SUPPORTED_ARCHITECTURES:
         raise ModelError(
             f"unsupported architecture {facts.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
@@ -317,8 +337,12 @@ def check_loadable(facts: ModelFacts, budget_bytes: int | None = None, max_runni
     if budget is not None:
         table = max_running_requests * (context or facts.context_length or 0) * 8  # int64 KV indices
         weights = max(facts.weight_bytes, facts.config_bytes)
-        need = weights + (facts.kv_bytes_per_token or 0) * MIN_KV_TOKENS + table
+        slots = (state_slots or 1) if facts.state_bytes_per_slot else 0
+        states = slots * facts.state_bytes_per_slot
+        need = weights + (facts.kv_bytes_per_token or 0) * MIN_KV_TOKENS + table + states
         if need > budget:
             why = " as config.json sizes them" if facts.config_bytes > facts.weight_bytes else ""
+            held = f", {slots} recurrent-state slot{'s' if slots > 1 else ''} of {facts.state_bytes_per_slot / 2**20:.0f} MiB" if slots else ""
             raise ModelError(f"the model needs about {need / 2**30:.1f} GiB (weights{why}, {MIN_KV_TOKENS} tokens of "
-                             f"KV, a request table of {table / 2**30:.1f} GiB) but only {budget / 2**30:.1f} GiB is available")
+                             f"KV, a request table of {table / 2**30:.1f} GiB{held}) but only {budget / 2**30:.1f} GiB "
+                             "is available")

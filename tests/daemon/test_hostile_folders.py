@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from mllmd.checkpoint.folder import find_model_source
 from mllmd.daemon.models import ModelError, check_loadable, check_tokenizer, find_models, inspect_model
 
 CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 16, "hidden_size": 8,
@@ -171,3 +172,22 @@ def test_links_inside_the_models_dirs_are_fine(tmp_path: Path) -> None:
     (root / "loop").symlink_to(root / "loop")
     with pytest.raises(ModelError, match="loop is a broken or looping link"):
         inspect_model(root, [str(models)])
+
+
+def test_recurrent_state_slots_count(tmp_path: Path) -> None:
+    """Qwen3.5's per-request state (48 MiB a slot at the 9B's shapes) is counted before load: the slots
+    `cache.state_slots` asks for, one when it is left to the memory plan."""
+    real = json.loads((find_model_source("Qwen3.5-9B") / "config.json").read_text())["text_config"]
+    linear = {k: real[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                   "linear_value_head_dim", "linear_conv_kernel_dim")}  # fmt: skip
+    hybrid = CONFIG | linear | {"num_hidden_layers": 32, "layer_types": real["layer_types"], "torch_dtype": "bfloat16"}
+    facts = inspect_model(_folder(tmp_path / "m", {"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                   "text_config": hybrid}))  # fmt: skip
+    assert facts.state_bytes_per_slot == 24 * ((2 * 16 * 128 + 32 * 128) * 3 * 2 + 32 * 128 * 128 * 4)  # 49.1 MiB
+    assert inspect_model(_folder(tmp_path / "dense")).state_bytes_per_slot == 0
+    check_loadable(facts, budget_bytes=1 << 30, state_slots=20)
+    with pytest.raises(ModelError, match="30 recurrent-state slots of 49 MiB"):
+        check_loadable(facts, budget_bytes=1 << 30, state_slots=30)
+    check_loadable(facts, budget_bytes=64 << 20)  # left to the plan: one slot
+    with pytest.raises(ModelError, match="1 recurrent-state slot of 49 MiB"):
+        check_loadable(facts, budget_bytes=40 << 20)
