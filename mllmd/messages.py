@@ -325,6 +325,7 @@ class WorkerReady(_Message, frozen=True):
     context_length: int | None = None
     vocab_size: int | None = None
     max_total_tokens: int | None = None
+    max_running_requests: int | None = None  # as the scheduler runs it (hybrids: at most the state slots)
     dtype: str | None = None
     device: str | None = None
     architecture: str | None = None

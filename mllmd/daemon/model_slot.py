@@ -163,7 +163,7 @@ class ModelSlot:
             "device": info.device,
             "context_length": info.context_length,
             "kv_cache_tokens": info.max_total_tokens,
-            "max_running_requests": self.engine.max_running_requests,
+            "max_running_requests": info.max_running_requests or self.engine.max_running_requests,
             "load_seconds": self.load_seconds,
             "takes_images": self.facts.takes_images,
             "tensor_transport": self._transport(),

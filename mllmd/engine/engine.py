@@ -54,6 +54,7 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        config = self.config = self.runner.config  # max_running_requests lowered to the state slots (hybrids)
         self.info = self.runner.info
         alloc = self.runner.allocator
         states = self.runner.state_pool

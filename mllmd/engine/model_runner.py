@@ -181,6 +181,10 @@ class ModelRunner:
         if self.state_layers:
             conv_shape, ssm_shape = self.state_layers[0].state_shapes
             self.state_pool = StatePool(state_slots, len(self.state_layers), conv_shape, ssm_shape, dtype, self.device)
+            if state_slots < config.max_running_requests:  # each running request holds a slot of its own
+                logger.info("max_running_requests %d -> %d: the recurrent-state slots that fit",
+                            config.max_running_requests, state_slots)
+                config = self.config = config.replace(max_running_requests=state_slots)
         self.req_to_token_pool = ReqToTokenPool(config.max_running_requests, context_length, self.device)
         self.allocator = TokenToKVPoolAllocator(self.max_total_tokens, self.device)
         # last sampled token of each request slot, written on the device by the sampler (overlap)

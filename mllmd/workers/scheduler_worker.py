@@ -268,6 +268,7 @@ def run(wctx: WorkerContext) -> None:
         context_length=info.context_length,
         vocab_size=info.vocab_size,
         max_total_tokens=engine.runner.max_total_tokens,
+        max_running_requests=engine.config.max_running_requests,
         dtype=str(info.dtype).replace("torch.", ""),
         device=str(info.device),
         architecture=(getattr(info.hf_config, "architectures", None) or ["?"])[0],

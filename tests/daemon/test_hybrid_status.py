@@ -45,8 +45,10 @@ def wait_for(d: DaemonProc, check: Any, timeout: float = 30.0) -> dict[str, Any]
 
 
 def test_status_and_metrics_account_for_states(daemon: DaemonProc) -> None:
-    first = wait_for(daemon, lambda st: st["total_slots"] == 6)["state_cache"]
+    s = wait_for(daemon, lambda st: st["total_slots"] == 6)
+    first = s["state_cache"]
     assert first["free_slots"] == 6 and first["request_slots"] == 0 and first["bytes_per_slot"] > 0
+    assert s["model"]["max_running_requests"] == 6  # 64 configured; each running request holds a state slot
     client = daemon.openai()
     long_prompt = " ".join(f"w{i}" for i in range(120))  # > one snapshot interval of tokens
     for _ in range(2):

@@ -222,3 +222,15 @@ def test_a_config_without_full_attention_is_refused_by_name(tmp_path: Path) -> N
     )
     with pytest.raises(ValueError, match="no full_attention layer"):
         LLM(str(only_linear), device="cpu", dtype="float32", max_total_tokens=64)
+
+
+def test_max_running_requests_is_lowered_to_the_state_slots(model: Path, hf: Any) -> None:
+    """Each running request holds a recurrent-state slot: with 3 slots at most 3 run (the request table,
+    the sampler's rows and the graphs are sized for 3, not 8), and 5 requests still all finish right."""
+    llm = LLM(str(model), dtype="float32", max_running_requests=8, state_slots=3)
+    assert llm.engine.config.max_running_requests == llm.engine.scheduler.max_running_requests == 3
+    assert llm.engine.runner.req_to_token_pool.size == 3
+    prompts = [prompt(40 + i, 20 + i) for i in range(5)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for p, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(hf, p)[:8]
