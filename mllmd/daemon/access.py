@@ -41,6 +41,7 @@ class RequestInfo:
     request_id: str
     states: list[Any] = field(default_factory=list)  # RequestStates: their last outputs carry token counts
     stream_error: bool = False  # a stream ended with an error event (its status line said 200)
+    received: float = 0.0  # time.perf_counter() when the app got the request (the first first-token hop)
 
     def tokens(self) -> tuple[int | None, int | None]:
         """(prompt, completion) tokens so far; (None, None) when the request generated nothing."""
@@ -72,7 +73,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         raw = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
-        info = RequestInfo(sanitize_request_id(raw))
+        info = RequestInfo(sanitize_request_id(raw), received=time.perf_counter())
         scope.setdefault("state", {})["mllmd"] = info
         token = request_id.set(info.request_id)
         header = (b"x-request-id", info.request_id.encode("ascii"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -199,8 +200,10 @@ class Api:
         params.constraint = constraint
         slot = self.d.serving_slot(n)
         budget = self._budget(req.output_budget(), slot.info.max_total_tokens if slot.info is not None else None)
-        states = await slot.rm.submit(prompt, params, budget, n, prompt_param, slot.context_length, alias)
         info = request_info(request.scope)
+        if info is not None and not info.states:  # a batch's first prompt: the request's own way in
+            self.d.metrics.on_http_in(time.perf_counter() - info.received, model_name=slot.served_name)
+        states = await slot.rm.submit(prompt, params, budget, n, prompt_param, slot.context_length, alias)
         if info is not None:  # the access log reads their token counts
             info.states = states
         return states

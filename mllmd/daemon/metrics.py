@@ -102,10 +102,12 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0, 1800.0, 3600.0)
 HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                5.0, 10.0, 30.0, 60.0, 300.0)
-# A new request's way to its first token, in order (FirstTokenTimes): main -> tokenizer worker
-# (tokenization and the chat template included), -> scheduler worker, waiting for admission, the
-# admitting step to the step that gave the first token, -> detokenizer (its text), -> main.
-FIRST_TOKEN_HOPS = ("tokenize", "to_scheduler", "queue", "prefill", "detokenize", "to_main")
+# A new request's way to its first token, in order: the HTTP request in main (from the app receiving
+# it, its body read, parsed and validated, to its hand-over; `Metrics.on_http_in`), then
+# (FirstTokenTimes) main -> tokenizer worker (tokenization and the chat template included), ->
+# scheduler worker, waiting for admission, the admitting step to the step that gave the first
+# token, -> detokenizer (its text), -> main.
+FIRST_TOKEN_HOPS = ("http_in", "tokenize", "to_scheduler", "queue", "prefill", "detokenize", "to_main")
 
 
 def first_token_hops(times: FirstTokenTimes, received: float) -> dict[str, float]:
@@ -406,6 +408,11 @@ class Metrics:
         """`count` requests ended without a finish reason (one of FAILURE_REASONS)."""
         if count > 0:
             self.request_failure.labels(model_name or self.model_name or "", reason).inc(count)
+
+    def on_http_in(self, seconds: float, *, model_name: str | None = None) -> None:
+        """The first hop of a new request: from the HTTP app receiving it to its hand-over to the workers."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self.first_token_hop.labels(model_name or self.model_name or "", "http_in").observe(seconds)
 
     def on_output(self, rid: str, item: TextOutput, arrival: float, now: float | None = None, *,
                   model_name: str | None = None) -> None:
