@@ -175,10 +175,16 @@ class Api:
                             info.stream_error = True
                         yield on_error(error)
                         return
+                sent = False
                 async for chunk in gen:
                     if info is not None and chunk.startswith(ERROR_EVENTS):
                         info.stream_error = True  # the access log's outcome
                     yield chunk
+                    if not sent:  # resumed: the server has taken the first event (StreamingResponse's send)
+                        sent = True
+                        firsts = [s.first_at for s in states if s.first_at is not None]
+                        if firsts:
+                            self.d.metrics.on_hop("to_client", time.perf_counter() - min(firsts))
             except Exception:  # the status line is gone: end the stream with an error event
                 if info is not None:
                     info.stream_error = True
@@ -202,7 +208,7 @@ class Api:
         budget = self._budget(req.output_budget(), slot.info.max_total_tokens if slot.info is not None else None)
         info = request_info(request.scope)
         if info is not None and not info.states:  # a batch's first prompt: the request's own way in
-            self.d.metrics.on_http_in(time.perf_counter() - info.received, model_name=slot.served_name)
+            self.d.metrics.on_hop("http_in", time.perf_counter() - info.received, model_name=slot.served_name)
         states = await slot.rm.submit(prompt, params, budget, n, prompt_param, slot.context_length, alias)
         if info is not None:  # the access log reads their token counts
             info.states = states

@@ -106,8 +106,9 @@ HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 # it, its body read, parsed and validated, to its hand-over; `Metrics.on_http_in`), then
 # (FirstTokenTimes) main -> tokenizer worker (tokenization and the chat template included), ->
 # scheduler worker, waiting for admission, the admitting step to the step that gave the first
-# token, -> detokenizer (its text), -> main.
-FIRST_TOKEN_HOPS = ("http_in", "tokenize", "to_scheduler", "queue", "prefill", "detokenize", "to_main")
+# token, -> detokenizer (its text), -> main; then, for a stream, main to its first SSE event handed to
+# the server (`to_client`).
+FIRST_TOKEN_HOPS = ("http_in", "tokenize", "to_scheduler", "queue", "prefill", "detokenize", "to_main", "to_client")
 
 
 def first_token_hops(times: FirstTokenTimes, received: float) -> dict[str, float]:
@@ -409,10 +410,11 @@ class Metrics:
         if count > 0:
             self.request_failure.labels(model_name or self.model_name or "", reason).inc(count)
 
-    def on_http_in(self, seconds: float, *, model_name: str | None = None) -> None:
-        """The first hop of a new request: from the HTTP app receiving it to its hand-over to the workers."""
+    def on_hop(self, hop: str, seconds: float, *, model_name: str | None = None) -> None:
+        """A hop main times itself: `http_in` (the HTTP app receiving a request to its hand-over to the
+        workers) and `to_client` (a stream's first output in main to its first event sent)."""
         if seconds >= 0 and math.isfinite(seconds):
-            self.first_token_hop.labels(model_name or self.model_name or "", "http_in").observe(seconds)
+            self.first_token_hop.labels(model_name or self.model_name or "", hop).observe(seconds)
 
     def on_output(self, rid: str, item: TextOutput, arrival: float, now: float | None = None, *,
                   model_name: str | None = None) -> None:

@@ -56,6 +56,7 @@ class RequestState:
     alias: str | None = None  # the client's own id for it (native /generate's `rid`), unique while in flight
     last: TextOutput | None = None  # the latest output delivered (its token counts end an admin abort)
     prompt_param: str = "prompt"  # the request field that holds its prompt (messages, prompt, text, input_ids)
+    first_at: float | None = None  # time.perf_counter() when main got its first output (the to_client hop)
 
 
 class RequestManager:
@@ -206,6 +207,8 @@ class RequestManager:
                     continue
                 state.queue.put_nowait(item)
                 state.last = item
+                if item.first_times is not None:
+                    state.first_at = time.perf_counter()
                 if item.finished:
                     self._drop(item.rid)
                     if item.finish_reason == "stop" and item.matched_stop_str:

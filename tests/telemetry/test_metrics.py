@@ -349,7 +349,7 @@ def test_first_token_hops_from_the_processes_stamps() -> None:
 
     t = FirstTokenTimes(10.0, 10.002, 10.003, 10.010, 10.050, 10.051)
     hops = first_token_hops(t, 10.0515)
-    assert list(hops) == list(FIRST_TOKEN_HOPS[1:])  # all but http_in, which main observes at hand-over
+    assert list(hops) == list(FIRST_TOKEN_HOPS[1:-1])  # not http_in and to_client, which main times itself
     want = {"tokenize": 0.002, "to_scheduler": 0.001, "queue": 0.007, "prefill": 0.040, "detokenize": 0.001,
             "to_main": 0.0005}
     assert hops == pytest.approx(want)
@@ -370,8 +370,9 @@ def test_first_output_with_stamps_observes_every_hop() -> None:
     now = time.perf_counter()
     first = TextOutput("r", "", [1], False, None, None, None, 3, 1, 0,
                        first_times=FirstTokenTimes(now - 0.5, now - 0.4, now - 0.3, now - 0.2, now - 0.1, now - 0.05))
-    m.on_http_in(0.002)  # at hand-over, before any output
-    m.on_http_in(-1.0)  # a clock step back is not a hop
+    m.on_hop("http_in", 0.002)  # at hand-over, before any output
+    m.on_hop("http_in", -1.0)  # a clock step back is not a hop
+    m.on_hop("to_client", 0.0003)  # a stream's first event sent
     m.on_output("r", first, arrival=0.0, now=1.0)
     m.on_output("r", output("r", completion_tokens=2), arrival=0.0, now=1.1)  # later outputs carry none
     assert get(m, "mllmd_first_token_hop_seconds_sum", hop="http_in", **MODEL) == pytest.approx(0.002)
