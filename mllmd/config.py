@@ -54,13 +54,15 @@ class EngineConfig:
         "waiting prompts fill a prefill chunk or the free request slots; 0: admit at once (on the H200, 20 ms "
         "gained nothing measurable with 64 streams)",
     )
-    max_decode_stall_ms: float = _f(
-        "scheduler", 0.0,
+    max_decode_stall_ms: float | None = _f(
+        "scheduler", None,
         "while requests decode, cap a step's prefill tokens so that the step is expected to end within this "
         "many ms (its cost per token learned from the steps run so far; where steps replay CUDA graphs, the "
         "cap is a graph's token count, padding included); a new prompt then takes more, "
-        "shorter chunks, at least 32 tokens each (needs chunked_prefill_size > 0); 0: off (chunked_prefill_size "
-        "alone bounds a chunk)",
+        "shorter chunks, at least 32 tokens each (needs chunked_prefill_size > 0); null (default): on a GPU, "
+        "twice the time of a step of the running decode batch alone, measured as it runs (the chunk adapts to "
+        "the batch: a step that carries a prompt lasts about two decode steps), on the CPU off; 0: off "
+        "(chunked_prefill_size alone bounds a chunk)",
     )
     max_encoder_tokens_per_step: int = _f(
         "scheduler", 4096,

@@ -23,7 +23,7 @@ from mllmd.engine.sampling import uses_output_penalties
 from mllmd.engine.sampling.logprobs import compute_logprobs
 from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import Scheduler
-from mllmd.engine.step_cost import StepCostModel, StepTimer
+from mllmd.engine.step_cost import DECODE_TIMING_EVERY, StepCostModel, StepTimer, stall_budget_s
 from mllmd.messages import TokenOutput
 from mllmd.sampling_params import OutputConstraint, SamplingParams
 from mllmd.structured.grammar import GrammarCompiler, GrammarError
@@ -82,15 +82,14 @@ class Engine:
             encoder_cost=self.runner.vision.uncached_tokens if self.runner.vision is not None else None,
             state_pool=states,
             snapshot_interval=config.state_snapshot_interval,
-            decode_stall_tokens=self._decode_stall_tokens if config.max_decode_stall_ms > 0 else None,
+            decode_stall_tokens=self._decode_stall_tokens if self._stall_cap_on() else None,
         )
         # scheduler.max_decode_stall_ms: what steps cost per token, from the steps' own times
         graphs = self.runner.prefill_graphs
         self.step_cost = (
-            StepCostModel(buckets=graphs.token_sizes if graphs is not None else ())
-            if config.max_decode_stall_ms > 0
-            else None
+            StepCostModel(buckets=graphs.token_sizes if graphs is not None else ()) if self._stall_cap_on() else None
         )
+        self._decode_steps = 0  # decode-only steps launched (auto stall budget: one in DECODE_TIMING_EVERY timed)
         self._step_timers: list[StepTimer] = []  # steps timed since the last launched sampling
         # Overlap scheduling (see step): by default only where the device runs asynchronously.
         ov = config.overlap_schedule
@@ -246,10 +245,16 @@ class Engine:
         del self.reqs[rid]
         return True
 
+    def _stall_cap_on(self) -> bool:
+        """scheduler.max_decode_stall_ms: a fixed budget, or null on a GPU (learned from the decode steps)."""
+        ms = self.config.max_decode_stall_ms
+        return ms is None and self.runner.device.type == "cuda" or bool(ms and ms > 0)
+
     def _decode_stall_tokens(self) -> int | None:
-        """The scheduler's cap while requests decode (scheduler.max_decode_stall_ms)."""
+        """The scheduler's cap while requests decode (scheduler.max_decode_stall_ms; None: no cap yet)."""
         assert self.step_cost is not None
-        return self.step_cost.tokens_within(self.config.max_decode_stall_ms / 1e3)
+        budget = stall_budget_s(self.config.max_decode_stall_ms, self.step_cost.decode_step_s)
+        return None if budget is None else self.step_cost.tokens_within(budget)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -271,12 +276,17 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is not None:
             timer = None
-            if self.step_cost is not None and any(n > 1 for n in sched.extend_lens):  # steps with prefill work
-                timer = StepTimer.begin(sum(sched.extend_lens), self.runner.device)
+            if self.step_cost is not None:
+                if any(n > 1 for n in sched.extend_lens):  # steps with prefill work
+                    timer = StepTimer.begin(sum(sched.extend_lens), self.runner.device)
+                elif not self.config.max_decode_stall_ms:  # auto: now and then a decode-only step, the budget's unit
+                    self._decode_steps += 1
+                    if self._decode_steps % DECODE_TIMING_EVERY == 1:
+                        timer = StepTimer.begin(len(sched.extend_lens), self.runner.device, decode_only=True)
             batch = self.runner.prepare(sched)
             logits = self.runner.forward(batch)
             if timer is not None:
-                if batch.prefill_graph is not None:  # the graph computes its bucket, padding included
+                if batch.prefill_graph is not None and not timer.decode_only:  # its bucket, padding included
                     timer.tokens = batch.prefill_graph[0]
                 timer.stop()
                 self._step_timers = [*self._step_timers[-63:], timer]
@@ -369,7 +379,11 @@ class Engine:
         if self.step_cost is not None:
             for timer in launched.timers:
                 seconds = timer.seconds()
-                if seconds is not None:
+                if seconds is None:
+                    continue
+                if timer.decode_only:
+                    self.step_cost.observe_decode(seconds)
+                else:
                     self.step_cost.observe(timer.tokens, seconds)
         now = time.monotonic()
         results = []

@@ -1,5 +1,8 @@
 """What a step costs per token it computes, learned from the steps that ran: the scheduler's measure
-for `scheduler.max_decode_stall_ms`.
+for `scheduler.max_decode_stall_ms`. Left null (on a GPU), the budget itself is learned too: twice the
+time of a decode-only step of the running batch (`stall_budget_s`), so that the cap follows the batch
+and the device (a Jetson's decode step is ten times an H200's) and inter-token latency stays near two
+decode steps while prompts arrive.
 
 A step that carries a prefill chunk makes every running request wait for it: its next token comes
 only after the whole step. With a stall budget set, the scheduler caps a step's tokens while
@@ -28,6 +31,17 @@ import torch
 MIN_OBSERVED_TOKENS = 64  # smaller steps are mostly fixed cost: they would inflate the per-token figure
 MIN_CAPPED_TOKENS = 32  # the cap never goes below this, so that a long prompt still makes progress
 SMOOTHING = 0.25  # weight of the newest step in the average
+AUTO_DECODE_STEPS = 2.0  # max_decode_stall_ms null: a step with prefill work may last this many decode steps
+DECODE_TIMING_EVERY = 8  # auto: one decode-only step in this many is timed (two events on the stream)
+
+
+def stall_budget_s(fixed_ms: float | None, decode_step_s: float | None) -> float | None:
+    """The step-time budget of the decode stall cap: `fixed_ms` (scheduler.max_decode_stall_ms) when set
+    (0: off, no budget), else (null: auto) AUTO_DECODE_STEPS decode-only steps as measured; None (no
+    cap) until one was."""
+    if fixed_ms is not None:
+        return fixed_ms / 1e3 if fixed_ms > 0 else None
+    return None if decode_step_s is None else AUTO_DECODE_STEPS * decode_step_s
 
 
 class StepCostModel:
@@ -36,6 +50,7 @@ class StepCostModel:
         self.smoothing = smoothing
         self.buckets = list(buckets)
         self.seconds_per_token: float | None = None  # None until a step large enough was measured
+        self.decode_step_s: float | None = None  # a decode-only step of the running batch (auto budget)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A step that computed `tokens` tokens (prefill and decode rows alike) took `seconds`."""
@@ -44,6 +59,12 @@ class StepCostModel:
         per = seconds / tokens
         old = self.seconds_per_token
         self.seconds_per_token = per if old is None else old + self.smoothing * (per - old)
+
+    def observe_decode(self, seconds: float) -> None:
+        """A step of decode rows only (the running batch, as it is now) took `seconds`."""
+        if seconds > 0:
+            old = self.decode_step_s
+            self.decode_step_s = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def tokens_within(self, budget_s: float) -> int | None:
         """The most tokens a step may compute to end within `budget_s` (at least MIN_CAPPED_TOKENS),
@@ -65,14 +86,15 @@ class StepTimer:
     tokens: int
     start: torch.cuda.Event | float
     end: torch.cuda.Event | float | None = None
+    decode_only: bool = False  # a step of decode rows alone (the auto budget's measure)
 
     @classmethod
-    def begin(cls, tokens: int, device: torch.device) -> StepTimer:
+    def begin(cls, tokens: int, device: torch.device, decode_only: bool = False) -> StepTimer:
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            return cls(tokens, event)
-        return cls(tokens, time.perf_counter())
+            return cls(tokens, event, decode_only=decode_only)
+        return cls(tokens, time.perf_counter(), decode_only=decode_only)
 
     def stop(self) -> None:
         """After the step's last launch (on the CPU, after its last operation)."""

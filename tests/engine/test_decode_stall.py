@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from mllmd import LLM, SamplingParams
-from mllmd.engine.step_cost import MIN_CAPPED_TOKENS, MIN_OBSERVED_TOKENS, StepCostModel, StepTimer
+from mllmd.engine.step_cost import (
+    AUTO_DECODE_STEPS,
+    DECODE_TIMING_EVERY,
+    MIN_CAPPED_TOKENS,
+    MIN_OBSERVED_TOKENS,
+    StepCostModel,
+    StepTimer,
+    stall_budget_s,
+)
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -163,3 +171,65 @@ def test_only_steps_with_prefill_work_are_learned_from(qwen3_tied: Path) -> None
     cost.observe = lambda tokens, seconds: (seen.append(tokens), real(tokens, seconds))[1]  # type: ignore[method-assign]
     llm.generate([ids(2, 10 + i) for i in range(64)], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     assert seen == [128]
+
+
+# --- max_decode_stall_ms null (the default): on a GPU, twice a decode-only step of the running batch ---
+
+
+def test_the_auto_budget_is_two_decode_steps_and_needs_one_measured() -> None:
+    assert stall_budget_s(None, None) is None  # nothing measured yet: no cap
+    assert stall_budget_s(None, 0.007) == pytest.approx(AUTO_DECODE_STEPS * 0.007) == pytest.approx(0.014)
+    assert stall_budget_s(5.0, 0.007) == pytest.approx(0.005)  # a configured budget wins
+    assert stall_budget_s(0.0, 0.007) is None  # off
+    m = StepCostModel(smoothing=0.5)
+    m.observe_decode(0.004)
+    m.observe_decode(0.008)
+    assert m.decode_step_s == pytest.approx(0.006)
+    m.observe_decode(0.0)  # an unread timer
+    assert m.decode_step_s == pytest.approx(0.006)
+
+
+def test_default_is_off_on_the_cpu(qwen3_tied: Path) -> None:
+    """The default (null) follows measured step times only on a GPU, where steps are timed by the device;
+    on the CPU scheduling stays what the configuration says."""
+    llm = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096)
+    assert llm.engine.config.max_decode_stall_ms is None
+    assert llm.engine.step_cost is None and llm.engine.scheduler.decode_stall_tokens is None
+
+
+def test_auto_budget_learns_from_decode_steps(qwen3_tied: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the budget left to the engine (as on a GPU), one decode-only step in DECODE_TIMING_EVERY is
+    timed, and the cap is what the per-token cost allows in two of them; a later prompt is cut to it."""
+    from mllmd.engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "_stall_cap_on", lambda self: True)
+    llm = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096, chunked_prefill_size=512)
+    engine, cost = llm.engine, llm.engine.step_cost
+    assert cost is not None and engine.scheduler.decode_stall_tokens is not None
+    seen: list[float] = []
+    real = cost.observe_decode
+    cost.observe_decode = lambda s: (seen.append(s), real(s))[1]  # type: ignore[method-assign]
+    engine.add_request("a", ids(30, 1), SamplingParams(max_tokens=DECODE_TIMING_EVERY + 3, temperature=0.0,
+                                                       ignore_eos=True))  # fmt: skip
+    while engine.has_unfinished():
+        engine.step()
+    assert len(seen) == 2 and cost.decode_step_s is not None  # decode steps 1 and 1 + DECODE_TIMING_EVERY
+    cost.seconds_per_token = cost.decode_step_s / 50  # as if a token of prefill cost 1/50 of a decode step
+    cost.observe = lambda tokens, seconds: None  # type: ignore[method-assign]  # frozen from here
+    cost.observe_decode = lambda s: None  # type: ignore[method-assign]
+    assert engine._decode_stall_tokens() == 100  # two decode steps' time: 100 tokens
+    prompts = {"a": ids(30, 1), "b": ids(300, 2)}
+    rows: list[tuple[str, int]] = []
+    real_schedule = engine.scheduler.schedule
+
+    def logged():  # type: ignore[no-untyped-def]
+        batch = real_schedule()
+        if batch is not None:
+            rows.extend((r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens))
+        return batch
+
+    engine.scheduler.schedule = logged  # type: ignore[method-assign]
+    got = run(llm, prompts)
+    assert [n for rid, n in rows if rid == "b" and n > 1] == [99, 99, 99, 3]
+    plain = LLM(str(qwen3_tied), dtype="float32", device="cpu", max_total_tokens=4096)
+    assert got["b"] == plain.generate([prompts["b"]], GREEDY)[0].token_ids

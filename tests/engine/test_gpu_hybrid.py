@@ -67,6 +67,7 @@ def wants(hf: Any) -> list[list[int]]:
 
 
 def _llm(path: Path, **kw: Any) -> LLM:
+    kw.setdefault("max_decode_stall_ms", 0)  # scheduling that follows measured step times: off (runs compared)
     return LLM(str(path), device="cuda", dtype="float32", max_total_tokens=4096, max_running_requests=8, **kw)
 
 
