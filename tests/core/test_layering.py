@@ -44,7 +44,7 @@ ALLOWED: dict[str, set[str]] = {
     "mllmd.cli": {"mllmd.daemon", "mllmd.demo"},
     "mllmd.ctl": {"mllmd.daemon"},  # reads the daemon's configuration to find its socket
     "mllmd.bench": {"mllmd.entrypoints", "mllmd.engine", "mllmd.models", "mllmd_kernels", "mllmd.testing", "mllmd.checkpoint",
-                    "mllmd.openai"},
+                    "mllmd.openai", "mllmd.multimodal"},  # multimodal: one_batch --image decodes a picture file
     "mllmd.testing": {"mllmd.engine", "mllmd.models", "mllmd_kernels", "mllmd.entrypoints", "mllmd.checkpoint"},
 }
 # Modules of the main process (the one systemd watches): never torch, at import time.
