@@ -103,7 +103,7 @@ LOAD_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0,
 HOP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                5.0, 10.0, 30.0, 60.0, 300.0)
 # A new request's way to its first token, in order: the HTTP request in main (from the app receiving
-# it, its body read, parsed and validated, to its hand-over; `Metrics.on_http_in`), then
+# it, its body read, parsed and validated, to its hand-over; `Metrics.on_hop`), then
 # (FirstTokenTimes) main -> tokenizer worker (tokenization and the chat template included), ->
 # scheduler worker, waiting for admission, the admitting step to the step that gave the first
 # token, -> detokenizer (its text), -> main; then, for a stream, main to its first SSE event handed to
