@@ -16,14 +16,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from mllmd import LLM
-from mllmd.bench.one_batch import _sync, random_prompts
+from mllmd.bench.multimodal import time_vit
+from mllmd.bench.one_batch import random_prompts
 from mllmd.engine.request import EngineImage
 from mllmd.multimodal.image_io import ImageError, decode_image
 
@@ -84,19 +82,6 @@ def fresh_copies(image: EngineImage, n: int) -> list[EngineImage]:
     return [
         dataclasses.replace(image, content_hash=os.urandom(len(image.content_hash) or 16)) for _ in range(n)
     ]
-
-
-def time_vit(llm: LLM, images: list[EngineImage]) -> float:
-    """Seconds for one tower call over `images` (VisionRunner.encode does not read the encoder cache)."""
-    vision = llm.engine.runner.vision
-    assert vision is not None
-    device = llm.engine.runner.device
-    _sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        vision.encode(images)
-    _sync(device)
-    return time.perf_counter() - t0
 
 
 def median_vit(llm: LLM, image: EngineImage, batch_size: int, repeats: int = 3) -> float:

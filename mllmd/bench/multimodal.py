@@ -72,9 +72,9 @@ def image_prompt(llm: LLM, image: Image.Image, input_len: int, seed: int) -> tup
     return ids[: len(ids) - tail] + filler + ids[len(ids) - tail :], images
 
 
-def time_vit(llm: LLM, image: EngineImage, *, eager: bool = False) -> float:
-    """Seconds for the vision tower on one image (not cached: VisionRunner.encode bypasses the cache).
-    `eager`: without the tower's CUDA graphs, as an image of a grid not seen before runs."""
+def time_vit(llm: LLM, images: list[EngineImage], *, eager: bool = False) -> float:
+    """Seconds for one vision-tower call over `images` (not cached: VisionRunner.encode bypasses the
+    cache). `eager`: without the tower's CUDA graphs, as an image of a grid not seen before runs."""
     vision = llm.engine.runner.vision
     assert vision is not None
     device = llm.engine.runner.device
@@ -83,7 +83,7 @@ def time_vit(llm: LLM, image: EngineImage, *, eager: bool = False) -> float:
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():  # as transformers' tower is timed
-            vision.encode([image])
+            vision.encode(images)
         _sync(device)
     finally:
         vision.graphs = graphs
@@ -163,8 +163,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              for r in range(args.repeats + 1)]  # the first is the untimed warm-up: Triton compiles, cuBLAS picks
     vit, vit_eager, prefill, decode, hf_vit, hf_prefill, hf_decode = [], [], [], [], [], [], []
     for r, (ids, images, pic) in enumerate(cases):
-        ve = time_vit(llm, images[0], eager=True)
-        v = time_vit(llm, images[0])
+        ve = time_vit(llm, images[:1], eager=True)
+        v = time_vit(llm, images[:1])
         p = time_prefill(llm, [ids], [images])
         d = statistics.median(time_engine(llm, [ids], args.output_len, images=[images]).decode_latencies)
         if hf is not None:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
         ids_p, images_p = image_prompt(llm, synthetic_image(width, height, args.seed - 1), args.input_len, args.seed - 1)
         with _Profiler(str(Path(args.profile) / "vit.json"), info.device):
-            time_vit(llm, images_p[0])
+            time_vit(llm, images_p[:1])
         with _Profiler(str(Path(args.profile) / "prefill.json"), info.device):
             time_prefill(llm, [ids_p], [images_p])
         time_engine(llm, [ids_p], min(args.output_len, 8), str(Path(args.profile) / "decode.json"), "decode", images=[images_p])

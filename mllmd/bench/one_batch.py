@@ -328,8 +328,6 @@ def main(argv: list[str] | None = None) -> None:
     for bs, want_len, olen in itertools.product(args.batch_size, input_lens, args.output_len):
         image: EngineImage | None = None
         if case is not None:
-            from mllmd.bench import image_case
-
             ids, image = image_case.fit_length(case, want_len, info.vocab_size, args.seed)
             prompts, ilen = [ids] * bs, len(ids)
         else:

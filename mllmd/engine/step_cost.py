@@ -56,15 +56,15 @@ class StepCostModel:
         """A step that computed `tokens` tokens (prefill and decode rows alike) took `seconds`."""
         if tokens < MIN_OBSERVED_TOKENS or not seconds > 0:
             return
-        per = seconds / tokens
-        old = self.seconds_per_token
-        self.seconds_per_token = per if old is None else old + self.smoothing * (per - old)
+        self.seconds_per_token = self._average(self.seconds_per_token, seconds / tokens)
 
     def observe_decode(self, seconds: float) -> None:
         """A step of decode rows only (the running batch, as it is now) took `seconds`."""
         if seconds > 0:
-            old = self.decode_step_s
-            self.decode_step_s = seconds if old is None else old + self.smoothing * (seconds - old)
+            self.decode_step_s = self._average(self.decode_step_s, seconds)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
 
     def tokens_within(self, budget_s: float) -> int | None:
         """The most tokens a step may compute to end within `budget_s` (at least MIN_CAPPED_TOKENS),
