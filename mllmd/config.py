@@ -77,9 +77,11 @@ class EngineConfig:
     )
     state_snapshot_interval: int = _f(
         "cache", 512,
-        "hybrid models: prefill chunks end at multiples of this many tokens, where the recurrent state "
-        "is kept for the prefix cache (a shared prefix is reused up to its last such multiple); 0: only "
-        "the state at the end of each request is kept",
+        "hybrid models: while a prompt prefills, its recurrent state is kept for the prefix cache near "
+        "each multiple of this many tokens (at the 64-token chunk boundary at or before it, or exactly where "
+        "a prefill chunk ends there) and before the prompt's last token, where the next turn of a "
+        "conversation starts; a shared prefix is reused up to its last such point; 0: only the state at "
+        "the end of each request is kept",
     )
     encoder_cache_mb: int = _f(
         "cache", 256,

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from mllmd.engine.state_pool import StepSnapshots
 from mllmd.models.multimodal import StepImages
 
 
@@ -32,6 +33,7 @@ class ForwardBatch:
     prefill_graph: tuple[int, int] | None = None  # (tokens, rows): staged in that prefill graph's inputs
     images: StepImages | None = None  # the step's image tokens (vision-language models)
     state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (hybrid models)
+    state_snapshots: StepSnapshots | None = None  # prefix-cache snapshots the step takes (hybrid prefill steps)
     # prompt logprobs: (request, first position, count) per row that wants them; their logits follow
     # the sampling rows' in logits_indices, in this order
     prompt_spans: list[tuple[Any, int, int]] = field(default_factory=list)

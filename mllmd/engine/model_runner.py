@@ -29,7 +29,14 @@ from mllmd.engine.request import PLACEHOLDER, Req
 from mllmd.engine.sampling import Sampler, SamplerOutput, SamplingStates
 from mllmd.engine.sampling.sampler import TokenMask
 from mllmd.engine.scheduler import ScheduledBatch
-from mllmd.engine.state_pool import StatePool, StateStep
+from mllmd.engine.state_pool import (
+    SNAPSHOT_CHUNK,
+    StatePool,
+    StateStep,
+    StepSnapshots,
+    snapshot_inputs,
+    takes_snapshots,
+)
 from mllmd.engine.vision_graph import VisionGraphs
 from mllmd.engine.vision_graph import reserved_bytes as vision_graph_bytes
 from mllmd.engine.vision_runner import VisionRunner, mrope_step_positions
@@ -70,7 +77,7 @@ def plan_step(batch: ForwardBatch, backend: AttentionBackend, states: StatePool 
     if states is None:
         return attn
     assert batch.state_slots is not None
-    return HybridStep(attn, StateStep(states, batch.is_decode, batch.state_slots, batch.extend_lens))
+    return HybridStep(attn, StateStep(states, batch.is_decode, batch.state_slots, batch.extend_lens, batch.state_snapshots))
 
 
 def resolve_device(name: str) -> torch.device:
@@ -471,6 +478,7 @@ class ModelRunner:
         if self.vision is not None:  # M-RoPE: three axes where the step has image (or earlier) prompt tokens
             axes = mrope_step_positions(sched.reqs, sched.prefix_lens, sched.extend_lens)
             images = self.vision.step_embeds(sched.reqs, sched.prefix_lens, sched.extend_lens)
+        snapshots = sched.snapshots if takes_snapshots(list(sched.prefix_lens), sched.snapshots) else None
         pg = self.prefill_graphs
         shape = self.model.attention_shape
         if (pg is not None and not prompt_spans
@@ -480,7 +488,8 @@ class ModelRunner:
             ids = [0 if f else t for t, f in zip(input_ids, fill)]
             states = [r.state_slot or 0 for r in sched.reqs] if self.state_pool is not None else None
             staged_batch = pg.stage(ids, columns, positions, token_rows, fill, rows, seq_lens, list(sched.prefix_lens),
-                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc, states, axes, images)
+                                    list(sched.extend_lens), logits_rows, sched.out_cache_loc, states, axes, images,
+                                    snapshots=snapshots)
             if staged_batch is not None:
                 return staged_batch
         # ids, positions, request rows, seq_lens, extend_lens, logits rows, fills, each token's request row,
@@ -488,11 +497,19 @@ class ModelRunner:
         staged = [input_ids, positions, rows, seq_lens, sched.extend_lens, logits_rows, fill_rows, fill_slots, token_rows]
         if self.state_pool is not None:
             staged.append([r.state_slot or 0 for r in sched.reqs])
+        snap_columns = 0
+        if snapshots is not None:  # hybrid models: prefix-cache snapshots the step's forward takes
+            snap_columns = max(n // SNAPSHOT_CHUNK for n in sched.extend_lens)
+            staged += snapshot_inputs(list(sched.prefix_lens), list(sched.extend_lens), snapshots, snap_columns)
         if self.vision is not None:  # positions may differ from the columns (M-RoPE)
             if axes is not None:
                 staged[1] = axes  # [3, T], flat
             staged.append(columns)
         parts = to_device_parts(staged, torch.int64, self.device)
+        step_snapshots = None
+        if snap_columns:
+            table, ends, snap_slots = parts[10:13]
+            step_snapshots = StepSnapshots(table.view(len(sched.reqs), snap_columns), ends, snap_slots)
         self.req_to_token_pool.req_to_token[parts[8], parts[-1] if self.vision is not None else parts[1]] = sched.out_cache_loc
         if fill_rows:  # gather the in-flight tokens from the device-side per-request buffer
             parts[0][parts[6]] = self.token_buf[parts[7]]
@@ -509,6 +526,7 @@ class ModelRunner:
             extend_lens_cpu=list(sched.extend_lens),
             images=images,
             state_slots=parts[9] if self.state_pool is not None else None,
+            state_snapshots=step_snapshots,
             prompt_spans=prompt_spans,
         )
         return batch

@@ -50,6 +50,7 @@ from mllmd.engine.attention import AttentionBackend
 from mllmd.engine.cuda_graph import CudaStepGraph, StepGraph
 from mllmd.engine.forward_batch import ForwardBatch
 from mllmd.engine.model_forward import forward_hidden
+from mllmd.engine.state_pool import SNAPSHOT_CHUNK, StepSnapshots, snapshot_inputs
 from mllmd.models.multimodal import DenseImageEmbeds, ImageEmbeds
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,8 @@ class PrefillGraphRunner:
         self.token_fields = ROPE + self.axes
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         for t, r in self.keys:
-            self.inputs[(t, r)] = torch.zeros(self.token_fields * t + NUM_ROW_FIELDS * _padded(r), dtype=torch.int64,
-                                              device=dev)
+            self.inputs[(t, r)] = torch.zeros(self.token_fields * t + NUM_ROW_FIELDS * _padded(r)
+                                              + self._snapshot_fields(t, r), dtype=torch.int64, device=dev)
         # image embeddings over the largest step's tokens, shared by the graphs (which replay one at a
         # time); rows [0, image_dirty) may hold the last image step's mask and deepstack rows
         self.images = images
@@ -161,13 +162,30 @@ class PrefillGraphRunner:
         logger.info("captured %d prefill CUDA graphs (tokens %s x rows %s) in %.1f s", len(self.keys),
                     self.token_sizes, self.row_sizes, self.capture_seconds)
 
+    def _snapshot_fields(self, t: int, r: int) -> int:
+        """Hybrid models: a graph's inputs end with the prefix-cache snapshots its step takes (at most
+        one a whole chunk of its tokens: T / 64): a [R, T / 64] table, then the snapshots' token
+        indices and slots (StepSnapshots); none for graphs of fewer than 64 tokens."""
+        c = t // SNAPSHOT_CHUNK if self.with_state_slots else 0
+        return _padded(r * c) + 2 * _padded(c) if c else 0
+
     def _views(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A graph's static inputs as [token_fields, T] and [NUM_ROW_FIELDS, R]."""
         t, r = key
         flat = self.inputs[key]
         split = self.token_fields * t
-        rows = flat[split:].view(NUM_ROW_FIELDS, _padded(r))[:, :r]
+        rows = flat[split : split + NUM_ROW_FIELDS * _padded(r)].view(NUM_ROW_FIELDS, _padded(r))[:, :r]
         return flat[:split].view(self.token_fields, t), rows
+
+    def _snapshot_views(self, key: tuple[int, int]) -> StepSnapshots | None:
+        t, r = key
+        if not self._snapshot_fields(t, r):
+            return None
+        c = t // SNAPSHOT_CHUNK
+        flat = self.inputs[key][self.token_fields * t + NUM_ROW_FIELDS * _padded(r) :]
+        ends_at = _padded(r * c)
+        return StepSnapshots(flat[: r * c].view(r, c), flat[ends_at : ends_at + c],
+                             flat[ends_at + _padded(c) : ends_at + _padded(c) + c])  # fmt: skip
 
     def _batch(self, key: tuple[int, int], num_tokens: int, num_rows: int, num_logits: int) -> ForwardBatch:
         """The first tokens, rows and logits rows of a graph's static inputs, as a batch; the host
@@ -190,6 +208,7 @@ class PrefillGraphRunner:
             prefix_lens_cpu=[0] * r,
             extend_lens_cpu=[t] + [0] * (r - 1),  # the attention grid covers T queries per row
             state_slots=rows[STATE, :num_rows] if self.with_state_slots else None,
+            state_snapshots=self._snapshot_views(key),
             images=images,
         )
 
@@ -227,6 +246,7 @@ class PrefillGraphRunner:
         state_slots: list[int] | None = None,  # per row (hybrid models)
         axes: list[int] | None = None,  # M-RoPE [3, N] positions, flat, where they are not all `positions`
         images: ImageEmbeds | None = None,  # the step's image rows (vision-language models)
+        snapshots: list[list[tuple[int, int]]] | None = None,  # per row (hybrid models: ScheduledBatch.snapshots)
     ) -> ForwardBatch | None:
         """Write the step into the inputs of the graph that runs it (None: no graph does). The batch's
         tensors are views of those inputs, valid until the next stage of the same bucket."""
@@ -235,6 +255,14 @@ class PrefillGraphRunner:
         if key is None or len(logits_rows) > b or ((axes is not None or images is not None) and self.images is None):
             return None
         t, r = key
+        snapshot_host: list[int] = []
+        if self._snapshot_fields(t, r):  # every graph of 64 tokens or more takes them (none: -1 and padding)
+            c = t // SNAPSHOT_CHUNK
+            table, ends, slots = snapshot_inputs(prefix_lens, extend_lens, snapshots or [[]] * b, c)
+            pad_s = [0] * (_padded(c) - len(ends))
+            snapshot_host = [*table, *[-1] * (_padded(r * c) - len(table)), *ends, *pad_s, *slots, *pad_s]
+        elif snapshots:
+            return None  # a step of fewer than 64 tokens takes no snapshot (none can be asked of it)
         pad_t, pad_r = [0] * (t - n), [0] * (_padded(r) - b)
         rope = positions * self.axes if axes is None else axes  # a text token: three equal axes
         host = [
@@ -242,6 +270,7 @@ class PrefillGraphRunner:
             *(x for a in range(self.axes) for x in (*rope[a * n : (a + 1) * n], *pad_t)),
             *req_pool_indices, *pad_r, *seq_lens, *pad_r, *extend_lens, *pad_r,
             *logits_rows, *[0] * (_padded(r) - len(logits_rows)), *(state_slots or [0] * b), *pad_r,
+            *snapshot_host,
         ]  # fmt: skip
         if self.images is not None:
             self._stage_images(images, n)

@@ -13,14 +13,14 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import HybridRadixCache, MatchResult, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
-from mllmd.engine.state_pool import StatePool
+from mllmd.engine.state_pool import SNAPSHOT_CHUNK, StatePool
 from mllmd.engine.step_cost import MIN_CAPPED_TOKENS
 
 # prompt tokens a step computes for the requests that want their logprobs, all of them together: 512
@@ -37,6 +37,9 @@ class ScheduledBatch:
     extend_lens: list[int]
     prefix_lens: list[int]
     out_cache_loc: torch.Tensor  # [T] KV slots of the new tokens, rows concatenated (not yet in the request table)
+    # hybrid models: per row, (position, state slot) of each prefix-cache snapshot the chunk takes as it
+    # computes (the state after the row's first `position` tokens; Scheduler.snapshot_positions)
+    snapshots: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def needs_logits(self) -> list[bool]:
@@ -73,8 +76,9 @@ class Scheduler:
         of them (an image larger than that is encoded alone in its step).
 
         Hybrid models: every admitted request takes a slot of `state_pool` for its recurrent state
-        (none free: it waits), zeroed or copied from the prefix match's snapshot; prefill chunks end at
-        multiples of `snapshot_interval`, where the state is snapshotted for the prefix cache.
+        (none free: it waits), zeroed or copied from the prefix match's snapshot; a prefill chunk
+        snapshots the state for the prefix cache as it computes, near each multiple of
+        `snapshot_interval` and before the prompt's end (`snapshot_positions`).
 
         `decode_stall_tokens()`: while requests decode, the most tokens a step may compute to stay within
         the decode stall budget (None: no cap yet); prefill work always gets at least MIN_CAPPED_TOKENS."""
@@ -312,7 +316,10 @@ class Scheduler:
                 self.stats.decode_tokens_computed += n
         out_cache_loc = slots[0] if len(slots) == 1 else torch.cat(slots)  # one piece: no copy launch
         # The model runner writes the slots into the request table (ModelRunner.prepare).
-        return ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
+        batch = ScheduledBatch(reqs, lens, prefix_lens, out_cache_loc)
+        if self.snapshot_interval and isinstance(self.cache, HybridRadixCache):
+            batch.snapshots = [self._snapshot_slots(r, p, n) for r, p, n in zip(reqs, prefix_lens, lens)]
+        return batch
 
     def _stall_capped(self, budget: int) -> int:
         """The step's token budget under the decode stall cap: while requests decode, their tokens plus
@@ -380,15 +387,45 @@ class Scheduler:
         return n
 
     def _align(self, req: Req, n: int) -> int:
-        """A hybrid model's prefill chunk ends at the next multiple of the snapshot interval it crosses;
-        prompts whose logprobs are wanted share PROMPT_LOGPROB_CHUNK tokens a step (each of their tokens
-        takes a row of float32 logits, vocabulary-wide): 0 when the step has none left."""
+        """Prompts whose logprobs are wanted share PROMPT_LOGPROB_CHUNK tokens a step (each of their
+        tokens takes a row of float32 logits, vocabulary-wide): 0 when the step has none left."""
         if self._wants_prompt_rows(req):
             n = min(n, self._prompt_rows_left)
-        if not self.snapshot_interval or n <= 1:
-            return n
-        boundary = (req.kv_len // self.snapshot_interval + 1) * self.snapshot_interval
-        return min(n, boundary - req.kv_len)
+        return n
+
+    def snapshot_positions(self, req: Req, p: int, n: int) -> list[int]:
+        """Where a hybrid model's prefill chunk of tokens [p, p + n) snapshots its state for the prefix
+        cache: at each multiple of the snapshot interval it crosses (a prefix shared by requests that
+        diverge after it), and before the prompt's final token (the next turn of a conversation repeats
+        the prompt up to the assistant's header, which the chat template renders differently once the
+        reply is in the history). The chunk kernel copies the state out after any whole 64-token chunk
+        it computes (counted from p), so a position inside the chunk moves back to such a boundary; the
+        chunk's own end is exact (the request's state, copied once the step is launched). Never p
+        itself, and never the last token (a hit must leave one to compute)."""
+        if not self.snapshot_interval:
+            return []
+        last = len(req.token_ids) - 1
+        end = min(p + n, last)
+
+        def place(t: int) -> int:
+            return t if t == p + n else p + (t - p) // SNAPSHOT_CHUNK * SNAPSHOT_CHUNK
+
+        interval = self.snapshot_interval
+        out = {place(t) for t in range((p // interval + 1) * interval, end + 1, interval)}
+        if p + n >= last:
+            out.add(place(last))
+        return sorted(x for x in out if x > p)
+
+    def _snapshot_slots(self, req: Req, p: int, n: int) -> list[tuple[int, int]]:
+        """A state slot for each of the chunk's snapshot positions, while slots can be had (evicting
+        the least recently used unlocked snapshots: the newest are worth more)."""
+        out: list[tuple[int, int]] = []
+        for pos in self.snapshot_positions(req, p, n):
+            slot = self._alloc_state()
+            if slot is None:
+                break
+            out.append((pos, slot))
+        return out
 
     @staticmethod
     def _wants_prompt_rows(req: Req) -> bool:
@@ -403,36 +440,37 @@ class Scheduler:
 
     def commit(self, batch: ScheduledBatch) -> None:
         """Record that the batch's KV has been written; a prefill chunk's KV enters the prefix cache
-        (and, hybrid models, the state of a prefill that stopped at an aligned position is snapshotted
-        there, the copy enqueued after the step's forward)."""
-        for req, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+        (hybrid models: with the snapshots the step's forward takes, at their positions)."""
+        snapshots = batch.snapshots or [[] for _ in batch.reqs]
+        for req, p, n, snaps in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, snapshots):
             req.kv_len = p + n
             if n <= 1 or not isinstance(self.cache, RadixCache):
+                self._free_states([slot for _, slot in snaps])
                 continue
-            snapshot = None
-            if self.snapshot_interval and req.kv_len % self.snapshot_interval == 0 and req.kv_len < len(req.token_ids) - 1:
-                assert self.state_pool is not None and req.state_slot is not None
-                snapshot = self._alloc_state()
-                if snapshot is not None:
-                    self.state_pool.copy(req.state_slot, snapshot)
-            self._cache_unfinished(req, snapshot)
+            for pos, slot in snaps:
+                if (pos - p) % SNAPSHOT_CHUNK:  # the chunk's end (the step's forward took the others)
+                    assert self.state_pool is not None and req.state_slot is not None and pos == req.kv_len
+                    self.state_pool.copy(req.state_slot, slot)
+                self._cache_unfinished(req, pos, slot)
+            if req.prefix_len < req.kv_len:
+                self._cache_unfinished(req, req.kv_len, None)
 
-    def _cache_unfinished(self, req: Req, snapshot: int | None) -> None:
-        """Put what a running request has computed into the prefix cache (SGLang's
+    def _cache_unfinished(self, req: Req, end: int, snapshot: int | None) -> None:
+        """Put the first `end` tokens a running request has computed into the prefix cache (SGLang's
         cache_unfinished_req): a request that arrives meanwhile with the same prefix hits it from the
         next step on, and where another request cached these tokens first, its slots replace this
         one's (freed). The request locks the new end of its path; `snapshot` (hybrid models: the state
         after these tokens) becomes that node's, or is freed if the node has one."""
         assert req.req_pool_idx is not None and req.last_node is not None and isinstance(self.cache, RadixCache)
         start, row = req.prefix_len, self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        own = row[start : req.kv_len].clone()
-        had, node, cached = self.cache.extend(req.last_node, req.cache_key(req.kv_len)[start:], own)
+        own = row[start:end].clone()
+        had, node, cached = self.cache.extend(req.last_node, req.cache_key(end)[start:], own)
         if had:
             self.allocator.free(own[:had])
             row[start : start + had] = cached
         self.cache.inc_lock_ref(node)
         self.cache.dec_lock_ref(req.last_node)
-        req.last_node, req.prefix_len = node, req.kv_len
+        req.last_node, req.prefix_len = node, end
         if snapshot is not None:
             assert isinstance(self.cache, HybridRadixCache)
             if not self.cache.attach_state(node, snapshot):

@@ -9,6 +9,8 @@ padded CUDA-graph rows read and write; it is never handed out.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -56,13 +58,30 @@ class StatePool:
         self.ssm[:, slots] = 0
 
 
+class StepSnapshots(NamedTuple):
+    """Where a prefill step copies states into prefix-cache snapshot slots as it computes (the
+    scheduler picks the positions, `Scheduler.snapshot_positions`): after each full 64-token chunk
+    that `table` names, counted from each row's first token in the step. `ends` / `slots` name the same
+    snapshots by the step's token index each is taken before, for the conv states (padding entries:
+    end 0, slot 0, the dummy)."""
+
+    table: torch.Tensor  # [B, C] int64: row b's snapshot slot after chunk c (-1: none)
+    ends: torch.Tensor  # [S] int64: the step's token index each snapshot is taken before
+    slots: torch.Tensor  # [S] int64
+
+
+SNAPSHOT_CHUNK = 64  # the chunk kernel's chunk: snapshots fall on its boundaries
+
+
 class StateStep:
     """One step's view of the pools (mllmd.models.layers.gated_deltanet.RecurrentStep)."""
 
-    __slots__ = ("pool", "decode", "slots", "has_initial_state", "cu_seqlens")
+    __slots__ = ("pool", "decode", "slots", "has_initial_state", "cu_seqlens", "snapshots")
 
-    def __init__(self, pool: StatePool, decode: bool, slots: torch.Tensor, extend_lens: torch.Tensor) -> None:
+    def __init__(self, pool: StatePool, decode: bool, slots: torch.Tensor, extend_lens: torch.Tensor,
+                 snapshots: StepSnapshots | None = None) -> None:  # fmt: skip
         self.pool, self.decode, self.slots = pool, decode, slots
+        self.snapshots = snapshots
         # every slot holds its request's state (zeroed or copied in at admission): always read it
         self.has_initial_state = torch.ones_like(slots, dtype=torch.bool)
         if decode:
@@ -75,3 +94,33 @@ class StateStep:
 
     def ssm_state(self, layer: int) -> torch.Tensor:
         return self.pool.ssm[layer]
+
+
+def snapshot_inputs(
+    prefix_lens: list[int], extend_lens: list[int], snapshots: list[list[tuple[int, int]]], columns: int
+) -> tuple[list[int], list[int], list[int]]:
+    """The host lists of a step's StepSnapshots: the [B, columns] table (flat, -1 where none), and each
+    snapshot's token index in the step and slot. `snapshots[b]`: row b's (position, slot) pairs
+    (Scheduler.snapshot_positions): a whole number of chunks past the row's first token, or the row's
+    end (left out: the scheduler copies the row's own state there once the step is launched)."""
+    table = [-1] * (len(extend_lens) * columns)
+    ends: list[int] = []
+    slots: list[int] = []
+    start = 0
+    for b, (p, n, snaps) in enumerate(zip(prefix_lens, extend_lens, snapshots)):
+        for pos, slot in snaps:
+            chunks, rest = divmod(pos - p, SNAPSHOT_CHUNK)
+            if rest:  # the row's end, not a whole chunk: the scheduler copies the row's own state there
+                assert pos == p + n, f"snapshot at {pos} of row {b}"
+                continue
+            assert 0 < chunks <= min(columns, n // SNAPSHOT_CHUNK), f"snapshot at {pos} of row {b}"
+            table[b * columns + chunks - 1] = slot
+            ends.append(start + pos - p)
+            slots.append(slot)
+        start += n
+    return table, ends, slots
+
+
+def takes_snapshots(prefix_lens: list[int], snapshots: list[list[tuple[int, int]]]) -> bool:
+    """Whether a step's forward takes any of its rows' snapshots (not only row ends)."""
+    return any((pos - p) % SNAPSHOT_CHUNK == 0 for p, snaps in zip(prefix_lens, snapshots) for pos, _ in snaps)

@@ -84,10 +84,12 @@ def test_qwen3_5_prefix_hit_from_a_snapshot(hybrid: Path, hf: Any) -> None:
     llm = _llm(hybrid, chunked_prefill_size=0, state_snapshot_interval=64)
     base = prompt(9, 150)
     assert llm.generate([base], GREEDY)[0].token_ids == hf_greedy(hf, base)
-    p = base[:100] + prompt(10, 30)
-    out = llm.generate([p], GREEDY)[0]
-    assert out.cached_tokens == 64
-    assert out.token_ids == hf_greedy(hf, p)
+    # the prompt's one step (a prefill graph) took snapshots at 64 and, before its end, 128
+    for shared, reused in ((100, 64), (140, 128)):
+        p = base[:shared] + prompt(10 + shared, 30)
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_tokens == reused
+        assert out.token_ids == hf_greedy(hf, p)
 
 
 def test_qwen3_5_image_prompt(hybrid: Path, hf: Any) -> None:

@@ -151,6 +151,64 @@ def test_prefix_hits_around_snapshot_boundaries(model: Path, hf: Any) -> None:
     assert llm.engine.is_idle_and_clean()
 
 
+def test_one_step_prefills_a_long_prompt_and_snapshots_inside_it(model: Path, hf: Any) -> None:
+    """Snapshots every 64 tokens no longer cut the prefill into 64-token steps: a 300-token prompt is
+    one step whose chunk kernel copies the states out at 64, 128, 192 and 256, and requests sharing 130
+    and 260 of its tokens start from 128 and 256. Outputs equal the cold runs."""
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=0, state_snapshot_interval=64)
+    engine = llm.engine
+    base = prompt(21, 300)
+    engine.add_request("base", base, GREEDY)
+    first_step = [t for o in engine.step() for t in o.new_token_ids]  # (with overlap: none yet)
+    assert engine.scheduler.running[0].kv_len == len(base)  # the whole prompt in the first step
+    usage = engine.state_usage()
+    assert usage is not None and usage["snapshots"] == 4, usage
+    outs, _ = run_to_end(engine)
+    assert first_step + outs["base"] == hf_greedy(hf, base)
+    for shared, reused in ((130, 128), (260, 256)):
+        p = base[:shared] + prompt(22 + shared, 20)
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_tokens == reused, (shared, out.cached_tokens)
+        assert out.token_ids == hf_greedy(hf, p), shared
+    assert engine.is_idle_and_clean()
+
+
+def test_the_next_turn_of_a_conversation_starts_from_the_snapshot_before_the_prompts_end(model: Path, hf: Any) -> None:
+    """The next turn repeats a prompt up to a few tokens before its end (the chat template renders the
+    assistant's header differently once the reply is in the history), so no snapshot at an interval
+    multiple (none below 512 here) nor the final one (after the reply) can serve it: the snapshot at the
+    last 64-token boundary before the prompt's end does (128 of a 190-token prompt)."""
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=0, state_snapshot_interval=512)
+    first_turn = prompt(31, 190)
+    reply = llm.generate([first_turn], GREEDY)[0]
+    next_turn = first_turn[:-4] + reply.token_ids[:20] + prompt(32, 15)
+    out = llm.generate([next_turn], GREEDY)[0]
+    assert out.cached_tokens == 128
+    assert out.token_ids == hf_greedy(hf, next_turn)
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_a_snapshot_taken_inside_a_step_equals_the_state_of_a_step_that_ends_there(model: Path) -> None:
+    """The state the chunk kernel copies out after 128 tokens of one 200-token step (conv and
+    recurrent, every DeltaNet layer) equals the request's own state after a chunk that ends at 128
+    (64-token steps), which the scheduler copies once that step is launched."""
+    ids = prompt(41, 200)
+
+    def snapshot_at_128(chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        llm = LLM(str(model), dtype="float32", chunked_prefill_size=chunk, state_snapshot_interval=128)
+        llm.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))
+        match = llm.engine.scheduler.cache.match_prefix(ids[:128] + [7])
+        assert int(match.indices.numel()) == 128 and match.state is not None
+        pool = llm.engine.runner.state_pool
+        return pool.conv[:, match.state].clone(), pool.ssm[:, match.state].clone()
+
+    conv_in_step, ssm_in_step = snapshot_at_128(0)
+    conv_at_end, ssm_at_end = snapshot_at_128(64)
+    assert conv_in_step.abs().sum() > 0 and ssm_in_step.abs().sum() > 0
+    torch.testing.assert_close(conv_in_step, conv_at_end, rtol=0, atol=0)
+    torch.testing.assert_close(ssm_in_step, ssm_at_end, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("slots", [1, 2])
 def test_a_small_state_pool_keeps_the_snapshot_a_request_is_about_to_use(model: Path, hf: Any, slots: int) -> None:
     """Making room for the new request's own state slot must not evict the snapshot its prefix match
@@ -160,9 +218,9 @@ def test_a_small_state_pool_keeps_the_snapshot_a_request_is_about_to_use(model: 
     llm = LLM(str(model), dtype="float32", chunked_prefill_size=0, state_slots=slots, state_snapshot_interval=32)
     base = prompt(11, 100)
     first = llm.generate([base + prompt(12, 10)], GREEDY)[0]
-    if slots == 2:  # a new question on the shared 100 tokens: the snapshot at 96 (taken while prefilling)
-        p = base + prompt(13, 10)
-        reused = 96
+    if slots == 2:  # a new question on the shared 100 tokens: the snapshot at 64, taken while prefilling
+        p = base + prompt(13, 10)  # (the interval's 96 falls inside the step's second 64-token chunk)
+        reused = 64
     else:  # one slot: no snapshot while prefilling; the first request's final state is the one snapshot
         p = base + prompt(12, 10) + first.token_ids + prompt(14, 5)
         reused = 110 + NEW - 1

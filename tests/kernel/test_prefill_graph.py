@@ -191,3 +191,33 @@ def test_hybrid_steps_carry_their_state_through_prefill_graphs(tmp_path: Path, m
         runs[graphs] = [o.token_ids for o in outs]
     assert runs[True] == runs[False]
     assert sum(RerunGraph.rows.values()) >= 4 and len(RerunGraph.rows) >= 2, RerunGraph.rows
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+def test_hybrid_snapshots_taken_inside_a_prefill_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 120-token Qwen3.5 prompt in one step of the 128-token graph takes its prefix-cache snapshot at
+    64 inside the graph (the graph's snapshot inputs: the chunk kernel's table, the conv states' token
+    indices and slots); a request sharing 100 tokens starts from it. Tokens equal the eager run's,
+    which takes the same snapshot."""
+    import mllmd.models.layers.gated_deltanet as gdn
+    from tests.engine.test_qwen3_5 import build_long_memory_model, prompt
+
+    monkeypatch.setattr(gdn, "fused_kernels", lambda x: True)
+    model = build_long_memory_model(tmp_path / "q35")
+    first = prompt(5, 120)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = {}
+    RerunGraph.rows.clear()
+    for graphs in (False, True):
+        llm = LLM(str(model), device="cpu", dtype="float32", attention_backend="triton", overlap_schedule=True,
+                  chunked_prefill_size=0, max_prefill_tokens=128, max_running_requests=1, state_snapshot_interval=64)
+        runner = llm.engine.runner
+        if graphs:
+            runner.prefill_graphs = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, 128, 1,
+                                                       runner._plan, new_graph=RerunGraph, state_slots=True)
+        outs = llm.generate([first], params) + llm.generate([first[:100] + prompt(6, 12)], params)
+        assert outs[-1].cached_tokens == 64
+        assert llm.engine.is_idle_and_clean()
+        runs[graphs] = [o.token_ids for o in outs]
+    assert runs[True] == runs[False]
+    assert RerunGraph.rows[1] >= 2, RerunGraph.rows  # both prompts' steps replayed a graph

@@ -37,6 +37,26 @@ from mllmd.models.layers.linear import Linear, MergedLinear, row_prologue
 from mllmd.models.quantization import QuantConfig, get_linear_scheme
 
 
+class ChunkSnapshots(Protocol):
+    """Prefix-cache snapshots a prefill step takes as it computes (none on decode steps): the states
+    after whole 64-token chunks of a row, copied into other slots of the pools."""
+
+    @property
+    def table(self) -> torch.Tensor:
+        """[B, C] int64: the slot of row b's state after its first (c + 1) * 64 tokens (-1: none)."""
+        ...
+
+    @property
+    def ends(self) -> torch.Tensor:
+        """[S] int64: the same snapshots by the step's token index each is taken before."""
+        ...
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """[S] int64: their slots (padding: end 0, slot 0, the dummy)."""
+        ...
+
+
 class RecurrentStep(Protocol):
     """One step's view of the recurrent-state pools (what the engine prepared)."""
 
@@ -44,6 +64,11 @@ class RecurrentStep(Protocol):
     slots: torch.Tensor  # [B] int64: each row's state slot (0: a padding row's dummy)
     has_initial_state: torch.Tensor  # [B] bool
     cu_seqlens: torch.Tensor  # [B + 1] int32: the rows' token ranges (prefill and mixed steps)
+
+    @property
+    def snapshots(self) -> ChunkSnapshots | None:
+        """The prefix-cache snapshots the step takes (prefill steps of hybrid models; else None)."""
+        ...
 
     def conv_state(self, layer: int) -> torch.Tensor:
         """[S, conv_dim, K - 1] in the model dtype."""
@@ -108,6 +133,10 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, hidden, dtype=dtype, quant=get_linear_scheme(quant, f"{prefix}.out_proj"))
         self.norm_in_out_proj = False  # set by the fusion plan: a dense out_proj's GEMV applies the gated norm
 
+    def _conv_history(self, device: torch.device) -> torch.Tensor:
+        """Offsets -(K - 1) .. -1: the inputs a conv state holds, oldest first."""
+        return torch.arange(1 - self.conv_width, 0, device=device)
+
     @property
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """(conv state [conv_dim, K - 1], recurrent state [Hv, Dk, Dv]) of one request."""
@@ -127,6 +156,10 @@ class GatedDeltaNet(nn.Module):
         else:
             conv = causal_conv1d_prefill if fast else causal_conv1d_prefill_ref
             y = conv(mixed, weight, None, states.cu_seqlens, conv_state, states.slots, states.has_initial_state)
+            snaps = states.snapshots
+            if snaps is not None:  # a snapshot's conv state: the K - 1 inputs before its position
+                before = (snaps.ends[:, None] + self._conv_history(mixed.device)).clamp_min(0)  # [S, K - 1]
+                conv_state[snaps.slots] = mixed[before].transpose(1, 2).to(conv_state.dtype)
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
         k = k.unflatten(-1, (self.num_k_heads, self.head_k_dim))
@@ -137,7 +170,9 @@ class GatedDeltaNet(nn.Module):
         else:
             g, beta = gdn_gating_ref(a, b, self.A_log, self.dt_bias)
             rule = chunk_gated_delta_rule if fast else chunk_gated_delta_rule_ref
-            o = rule(q, k, v, g, beta, None, ssm_state, states.slots, states.has_initial_state, states.cu_seqlens)
+            snapshot_table = None if states.snapshots is None else states.snapshots.table
+            o = rule(q, k, v, g, beta, None, ssm_state, states.slots, states.has_initial_state, states.cu_seqlens,
+                     chunk_snapshot_indices=snapshot_table)
         if self.norm_in_out_proj:  # one row: the gated norm in out_proj's launch (the fusion plan's route)
             pending = GatedNormRows(o.reshape(t, self.value_dim), z, self.norm.weight, self.norm.eps, self.head_v_dim)
             if self.out_proj.takes_rows(pending.x, row_prologue(pending)[1]):
