@@ -20,7 +20,7 @@ import torch
 from mllmd.engine.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from mllmd.engine.prefix_cache import HybridRadixCache, MatchResult, PrefixCache, RadixCache
 from mllmd.engine.request import PLACEHOLDER, EngineImage, Req, ReqStatus
-from mllmd.engine.state_pool import SNAPSHOT_CHUNK, StatePool
+from mllmd.engine.state_pool import SNAPSHOT_CHUNK, StatePool, taken_in_forward
 from mllmd.engine.step_cost import MIN_CAPPED_TOKENS
 
 # prompt tokens a step computes for the requests that want their logprobs, all of them together: 512
@@ -399,10 +399,11 @@ class Scheduler:
         diverge after it), and before the prompt's final token (the next turn of a conversation repeats
         the prompt up to the assistant's header, which the chat template renders differently once the
         reply is in the history). The chunk kernel copies the state out after any whole 64-token chunk
-        it computes (counted from p), so a position inside the chunk moves back to such a boundary; the
-        chunk's own end is exact (the request's state, copied once the step is launched). Never p
-        itself, and never the last token (a hit must leave one to compute)."""
-        if not self.snapshot_interval:
+        it computes (counted from p), so a position inside the chunk moves back to such a boundary, or
+        to p itself (the request's state before the step, copied then); the chunk's own end is exact
+        (the request's state, copied once the step is launched). Never the last token (a hit must
+        leave one to compute), nor the empty prefix."""
+        if not self.snapshot_interval or n <= 1:  # decodes: the final state is kept when the request ends
             return []
         last = len(req.token_ids) - 1
         end = min(p + n, last)
@@ -414,16 +415,22 @@ class Scheduler:
         out = {place(t) for t in range((p // interval + 1) * interval, end + 1, interval)}
         if p + n >= last:
             out.add(place(last))
-        return sorted(x for x in out if x > p)
+        return sorted(x for x in out if x > 0)
 
     def _snapshot_slots(self, req: Req, p: int, n: int) -> list[tuple[int, int]]:
         """A state slot for each of the chunk's snapshot positions, while slots can be had (evicting
         the least recently used unlocked snapshots: the newest are worth more)."""
         out: list[tuple[int, int]] = []
         for pos in self.snapshot_positions(req, p, n):
+            if pos == p and (req.last_node is None or not isinstance(self.cache, HybridRadixCache)
+                             or self.cache.has_state(req.last_node)):  # fmt: skip
+                continue  # p has its snapshot already (the last step's end, or the prefix hit's)
             slot = self._alloc_state()
             if slot is None:
                 break
+            if pos == p:  # the state before the step: copied now, ahead of the step's forward
+                assert self.state_pool is not None and req.state_slot is not None
+                self.state_pool.copy(req.state_slot, slot)
             out.append((pos, slot))
         return out
 
@@ -448,7 +455,12 @@ class Scheduler:
                 self._free_states([slot for _, slot in snaps])
                 continue
             for pos, slot in snaps:
-                if (pos - p) % SNAPSHOT_CHUNK:  # the chunk's end (the step's forward took the others)
+                if pos == p:  # copied before the step, at the node the request's path ends at
+                    assert req.last_node is not None and req.prefix_len == p and isinstance(self.cache, HybridRadixCache)
+                    if not self.cache.attach_state(req.last_node, slot):
+                        self._free_states([slot])
+                    continue
+                if not taken_in_forward(p, pos):  # the chunk's end
                     assert self.state_pool is not None and req.state_slot is not None and pos == req.kv_len
                     self.state_pool.copy(req.state_slot, slot)
                 self._cache_unfinished(req, pos, slot)

@@ -101,18 +101,16 @@ def snapshot_inputs(
 ) -> tuple[list[int], list[int], list[int]]:
     """The host lists of a step's StepSnapshots: the [B, columns] table (flat, -1 where none), and each
     snapshot's token index in the step and slot. `snapshots[b]`: row b's (position, slot) pairs
-    (Scheduler.snapshot_positions): a whole number of chunks past the row's first token, or the row's
-    end (left out: the scheduler copies the row's own state there once the step is launched)."""
+    (Scheduler.snapshot_positions); those the forward does not take (`taken_in_forward`) are left out."""
     table = [-1] * (len(extend_lens) * columns)
     ends: list[int] = []
     slots: list[int] = []
     start = 0
     for b, (p, n, snaps) in enumerate(zip(prefix_lens, extend_lens, snapshots)):
         for pos, slot in snaps:
-            chunks, rest = divmod(pos - p, SNAPSHOT_CHUNK)
-            if rest:  # the row's end, not a whole chunk: the scheduler copies the row's own state there
-                assert pos == p + n, f"snapshot at {pos} of row {b}"
+            if not taken_in_forward(p, pos):  # the scheduler copies the row's own state there
                 continue
+            chunks = (pos - p) // SNAPSHOT_CHUNK
             assert 0 < chunks <= min(columns, n // SNAPSHOT_CHUNK), f"snapshot at {pos} of row {b}"
             table[b * columns + chunks - 1] = slot
             ends.append(start + pos - p)
@@ -121,6 +119,13 @@ def snapshot_inputs(
     return table, ends, slots
 
 
+def taken_in_forward(p: int, pos: int) -> bool:
+    """Whether the step's forward takes the snapshot at `pos` of a row that starts at `p` (a whole
+    number of chunks into the row); else the scheduler copies the row's own state: at p, before the
+    step, or at the row's end, once the step is launched."""
+    return pos > p and (pos - p) % SNAPSHOT_CHUNK == 0
+
+
 def takes_snapshots(prefix_lens: list[int], snapshots: list[list[tuple[int, int]]]) -> bool:
-    """Whether a step's forward takes any of its rows' snapshots (not only row ends)."""
-    return any((pos - p) % SNAPSHOT_CHUNK == 0 for p, snaps in zip(prefix_lens, snapshots) for pos, _ in snaps)
+    """Whether a step's forward takes any of its rows' snapshots."""
+    return any(taken_in_forward(p, pos) for p, snaps in zip(prefix_lens, snapshots) for pos, _ in snaps)

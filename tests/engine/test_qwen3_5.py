@@ -173,6 +173,22 @@ def test_one_step_prefills_a_long_prompt_and_snapshots_inside_it(model: Path, hf
     assert engine.is_idle_and_clean()
 
 
+def test_chunks_off_the_64_token_grid_snapshot_their_start_and_end(model: Path, hf: Any) -> None:
+    """Chunks of 96 (the decode stall cap rounds chunks to graph buckets such as 96): the interval's 128
+    falls 32 tokens into the second chunk, before its first whole 64-token chunk, so that chunk's start
+    (96: the state before the step, copied then) is kept, and its end (192, also a multiple of the
+    interval: copied after the step). Requests sharing 150 and 200 tokens start from 96 and 192."""
+    llm = LLM(str(model), dtype="float32", chunked_prefill_size=96, state_snapshot_interval=64 * 2)
+    base = prompt(51, 230)
+    assert llm.generate([base], GREEDY)[0].token_ids == hf_greedy(hf, base)
+    for shared, reused in ((150, 96), (200, 192)):
+        p = base[:shared] + prompt(52 + shared, 20)
+        out = llm.generate([p], GREEDY)[0]
+        assert out.cached_tokens == reused, (shared, out.cached_tokens)
+        assert out.token_ids == hf_greedy(hf, p), shared
+    assert llm.engine.is_idle_and_clean()
+
+
 def test_the_next_turn_of_a_conversation_starts_from_the_snapshot_before_the_prompts_end(model: Path, hf: Any) -> None:
     """The next turn repeats a prompt up to a few tokens before its end (the chat template renders the
     assistant's header differently once the reply is in the history), so no snapshot at an interval

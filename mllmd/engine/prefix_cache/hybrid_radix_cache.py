@@ -86,6 +86,10 @@ class HybridRadixCache(RadixCache):
         surplus = [slot for length, slot in states if not self.attach_state(self._node_at(key, length), slot)]
         return n, surplus
 
+    def has_state(self, node: TreeNode) -> bool:
+        """Whether `node` holds a snapshot."""
+        return node.id in self._state
+
     def attach_state(self, node: TreeNode | None, slot: int) -> bool:
         """Make `slot` the snapshot of `node` (the state after its last token); False, and the slot stays
         the caller's, if the node already has one (or there is no such node)."""
