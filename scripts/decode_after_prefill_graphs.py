@@ -1,0 +1,81 @@
+"""Batch-64 decode step before and after building prefill graphs, in one process (issue 30's 2%).
+
+python3 scripts/decode_after_prefill_graphs.py MODEL_DIR [--tokens 256]
+
+Loads the model without prefill graphs, then times the batch-64 decode step (128 prompt tokens, 32
+steps, 3 rounds, median step of each) as loaded, after a 4 GB allocation, after 10 s of large
+matmuls and 15 s idle (heat), after capturing a plain matmul graph, after building the prefill graphs
+up to `--tokens` by hand, and once they are deleted. One JSON line per case. Needs CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+from mllmd import LLM
+from mllmd.bench.one_batch import random_prompts, time_engine
+from mllmd.engine.prefill_graph import PrefillGraphRunner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--tokens", type=int, default=256, help="the largest prefill graph built by hand")
+    args = ap.parse_args()
+    bs, inl, outl = 64, 128, 32
+    llm = LLM(args.model, dtype="bfloat16", max_running_requests=bs, max_total_tokens=bs * (inl + outl) + 16,
+              max_prefill_tokens=bs * inl, chunked_prefill_size=0, disable_radix_cache=True, random_seed=1,
+              cuda_graph_max_bs=bs, prefill_graph_max_tokens=0)
+    runner = llm.engine.runner
+    vocab = llm.engine.info.vocab_size
+    prompts = random_prompts(bs, inl, vocab, 3)
+    time_engine(llm, random_prompts(2, 16, vocab, 1), 4)
+
+    def measure(case: str) -> None:
+        steps = [statistics.median(time_engine(llm, prompts, outl).decode_latencies[2:]) * 1e3 for _ in range(3)]
+        print(json.dumps({"case": case, "step_ms": [round(x, 4) for x in steps]}), flush=True)
+
+    measure("as loaded")
+    big = torch.ones(4 << 30, dtype=torch.uint8, device="cuda")
+    measure("4 GB allocated")
+    del big
+    torch.cuda.empty_cache()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t0 = time.time()
+    while time.time() - t0 < 10:
+        a @ a
+    torch.cuda.synchronize()
+    measure("after 10 s of matmuls")
+    time.sleep(15)
+    measure("after 15 s idle")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        a @ a
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            a @ a
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    measure("a matmul graph captured")
+    del graph, a
+    pg = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, args.tokens, runner._graph_max_bs(),
+                            runner._graph_plan(), images=runner._graph_images())  # fmt: skip
+    torch.cuda.synchronize()
+    measure(f"prefill graphs up to {args.tokens} tokens built")
+    del pg
+    gc.collect()
+    torch.cuda.empty_cache()
+    measure("prefill graphs deleted")
+    time.sleep(15)
+    measure("then 15 s idle")
+
+
+if __name__ == "__main__":
+    main()
