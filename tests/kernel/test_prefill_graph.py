@@ -162,6 +162,37 @@ def test_vision_language_image_steps_run_in_prefill_graphs(tmp_path: Path) -> No
     assert sum(img for img, _ in staged) >= 3 and sum(ax for _, ax in staged) >= 3, staged
 
 
+def _hybrid_llm(model: Path, graph_tokens: int, **engine: Any) -> LLM:
+    """A hybrid model's LLM on the CPU with the Triton attention backend, and with prefill graphs (the
+    RerunGraph double) up to `graph_tokens` tokens where that is not 0."""
+    llm = LLM(str(model), device="cpu", dtype="float32", attention_backend="triton", overlap_schedule=True, **engine)
+    if graph_tokens:
+        runner = llm.engine.runner
+        runner.prefill_graphs = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, graph_tokens,
+                                                   engine["max_running_requests"], runner._plan, new_graph=RerunGraph,
+                                                   state_slots=True)  # fmt: skip
+    return llm
+
+
+def _hybrid_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, graph_tokens: int,
+                 requests: Callable[[LLM], list[Any]], **engine: Any) -> dict[bool, list[list[int]]]:  # fmt: skip
+    """The long-memory Qwen3.5 of tests/engine/test_qwen3_5.py with its DeltaNet layers on their Triton
+    kernels (as on a GPU, under the interpreter): `requests(llm)`'s outputs' tokens, eager (False) and
+    with prefill graphs (True); each run ends idle and clean."""
+    import mllmd.models.layers.gated_deltanet as gdn
+    from tests.engine.test_qwen3_5 import build_long_memory_model
+
+    monkeypatch.setattr(gdn, "fused_kernels", lambda x: True)
+    model = build_long_memory_model(tmp_path / "q35")
+    runs = {}
+    RerunGraph.rows.clear()
+    for graphs in (False, True):
+        llm = _hybrid_llm(model, graph_tokens if graphs else 0, **engine)
+        runs[graphs] = [o.token_ids for o in requests(llm)]
+        assert llm.engine.is_idle_and_clean()
+    return runs
+
+
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
 def test_hybrid_steps_carry_their_state_through_prefill_graphs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3.5 (long-memory decays): prompts in chunks of 20 that continue from their recurrent state,
@@ -169,26 +200,18 @@ def test_hybrid_steps_carry_their_state_through_prefill_graphs(tmp_path: Path, m
     padded tokens past the last sequence change nothing; tokens equal the eager run's. The Gated
     DeltaNet layers run their Triton kernels (conv, chunked rule, recurrent decode, gated norm), as on
     a GPU, under the interpreter. (Fails when the rows' state slots are not staged.)"""
-    import mllmd.models.layers.gated_deltanet as gdn
-    from tests.engine.test_qwen3_5 import build_long_memory_model, prompt
+    from tests.engine.test_qwen3_5 import prompt
 
-    monkeypatch.setattr(gdn, "fused_kernels", lambda x: True)
-    model = build_long_memory_model(tmp_path / "q35")
     prompts = [prompt(1, 45), prompt(2, 7), prompt(3, 30)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    runs = {}
-    RerunGraph.rows.clear()
-    for graphs in (False, True):
-        llm = LLM(str(model), device="cpu", dtype="float32", attention_backend="triton", overlap_schedule=True,
-                  chunked_prefill_size=20, max_prefill_tokens=40, max_running_requests=6, state_snapshot_interval=20)
-        runner = llm.engine.runner
-        if graphs:
-            runner.prefill_graphs = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, 48, 6,
-                                                       runner._plan, new_graph=RerunGraph, state_slots=True)
+
+    def requests(llm: LLM) -> list[Any]:
         outs = llm.generate(prompts, params) + llm.generate([prompts[0][:41] + prompt(4, 9)], params)
         assert outs[-1].cached_tokens >= 40  # the snapshot after 40 tokens
-        assert llm.engine.is_idle_and_clean()
-        runs[graphs] = [o.token_ids for o in outs]
+        return outs
+
+    runs = _hybrid_runs(tmp_path, monkeypatch, 48, requests, chunked_prefill_size=20, max_prefill_tokens=40,
+                        max_running_requests=6, state_snapshot_interval=20)
     assert runs[True] == runs[False]
     assert sum(RerunGraph.rows.values()) >= 4 and len(RerunGraph.rows) >= 2, RerunGraph.rows
 
@@ -199,25 +222,17 @@ def test_hybrid_snapshots_taken_inside_a_prefill_graph(tmp_path: Path, monkeypat
     64 inside the graph (the graph's snapshot inputs: the chunk kernel's table, the conv states' token
     indices and slots); a request sharing 100 tokens starts from it. Tokens equal the eager run's,
     which takes the same snapshot."""
-    import mllmd.models.layers.gated_deltanet as gdn
-    from tests.engine.test_qwen3_5 import build_long_memory_model, prompt
+    from tests.engine.test_qwen3_5 import prompt
 
-    monkeypatch.setattr(gdn, "fused_kernels", lambda x: True)
-    model = build_long_memory_model(tmp_path / "q35")
     first = prompt(5, 120)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    runs = {}
-    RerunGraph.rows.clear()
-    for graphs in (False, True):
-        llm = LLM(str(model), device="cpu", dtype="float32", attention_backend="triton", overlap_schedule=True,
-                  chunked_prefill_size=0, max_prefill_tokens=128, max_running_requests=1, state_snapshot_interval=64)
-        runner = llm.engine.runner
-        if graphs:
-            runner.prefill_graphs = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, 128, 1,
-                                                       runner._plan, new_graph=RerunGraph, state_slots=True)
+
+    def requests(llm: LLM) -> list[Any]:
         outs = llm.generate([first], params) + llm.generate([first[:100] + prompt(6, 12)], params)
         assert outs[-1].cached_tokens == 64
-        assert llm.engine.is_idle_and_clean()
-        runs[graphs] = [o.token_ids for o in outs]
+        return outs
+
+    runs = _hybrid_runs(tmp_path, monkeypatch, 128, requests, chunked_prefill_size=0, max_prefill_tokens=128,
+                        max_running_requests=1, state_snapshot_interval=64)
     assert runs[True] == runs[False]
     assert RerunGraph.rows[1] >= 2, RerunGraph.rows  # both prompts' steps replayed a graph
