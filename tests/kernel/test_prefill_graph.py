@@ -105,8 +105,8 @@ def test_vision_language_text_steps_run_in_prefill_graphs(tmp_path: Path) -> Non
         if pg is not None:
             real_stage = pg.stage
 
-            def stage(*args: Any, real: Any = real_stage) -> Any:
-                batch = real(*args)
+            def stage(*args: Any, real: Any = real_stage, **kw: Any) -> Any:
+                batch = real(*args, **kw)
                 if batch is not None:  # positions (the 3rd argument) off the columns: an M-RoPE delta
                     shifted.append(args[2] != args[1])
                 return batch
@@ -149,8 +149,8 @@ def test_vision_language_image_steps_run_in_prefill_graphs(tmp_path: Path) -> No
             assert pg.axes == 3 and len(pg.image_deepstack) == 2
             real_stage = pg.stage
 
-            def stage(*args: Any, real: Any = real_stage) -> Any:
-                batch = real(*args)
+            def stage(*args: Any, real: Any = real_stage, **kw: Any) -> Any:
+                batch = real(*args, **kw)
                 if batch is not None:  # (staged with images, with 3-axis positions)
                     staged.append((args[-1] is not None, args[-2] is not None))
                 return batch
