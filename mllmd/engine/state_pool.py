@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from mllmd_kernels.gated_delta_rule_chunk import CHUNK
 
 
 class StatePool:
@@ -70,7 +71,7 @@ class StepSnapshots(NamedTuple):
     slots: torch.Tensor  # [S] int64
 
 
-SNAPSHOT_CHUNK = 64  # the chunk kernel's chunk: snapshots fall on its boundaries
+SNAPSHOT_CHUNK = CHUNK  # the chunk kernel's chunk: snapshots fall on its boundaries
 
 
 class StateStep:
