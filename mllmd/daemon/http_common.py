@@ -54,8 +54,8 @@ BODIES_IN_FLIGHT = 8  # request bodies of the largest size the main process hold
 
 class BodyBudget:
     """Bytes of request bodies still arriving, over all connections: at most BODIES_IN_FLIGHT x
-    server.max_request_bytes (64 MiB by default), so that clients holding bodies open cannot grow the
-    main process (1,000 connections x 8 MB, each a byte short, would be 8 GB); past it a 503."""
+    server.max_request_bytes (160 MiB by default), so that clients holding bodies open cannot grow the
+    main process (1,000 connections x 20 MB, each a byte short, would be 20 GB); past it a 503."""
 
     def __init__(self, max_request_bytes: int) -> None:
         self.limit = BODIES_IN_FLIGHT * max_request_bytes

@@ -542,3 +542,12 @@ def test_hardening_keys_are_checked(key: str, value: object) -> None:
     with pytest.raises(ConfigError) as info:
         dc.load_config("/dev/null", {key: value}, environ={})
     assert info.value.key == key
+
+
+def test_default_body_limit_holds_an_image_at_the_image_limit() -> None:
+    """An image over server.max_image_bytes sent as a data URL must be the 400 that names that rule,
+    not a 413 for the body: by default the body limit holds one image of max_image_bytes in base64
+    (4/3 of its bytes) with room for the rest of the request."""
+    srv = dc.ServerSection()
+    as_data_url = -(-srv.max_image_bytes // 3) * 4 + len("data:image/jpeg;base64,")
+    assert srv.max_request_bytes >= as_data_url + 1024 * 1024
