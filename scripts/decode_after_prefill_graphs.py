@@ -1,11 +1,13 @@
 """Batch-64 decode step before and after building prefill graphs, in one process (issue 30's 2%).
 
-python3 scripts/decode_after_prefill_graphs.py MODEL_DIR [--tokens 256]
+python3 scripts/decode_after_prefill_graphs.py MODEL_DIR [--tokens 256] [--eager-first] [--no-heat]
 
 Loads the model without prefill graphs, then times the batch-64 decode step (128 prompt tokens, 32
 steps, 3 rounds, median step of each) as loaded, after a 4 GB allocation, after 10 s of large
-matmuls and 15 s idle (heat), after capturing a plain matmul graph, after building the prefill graphs
-up to `--tokens` by hand, and once they are deleted. One JSON line per case. Needs CUDA.
+matmuls and 15 s idle (heat), after capturing a plain matmul graph (those four skipped with
+`--no-heat`), after eager prefill steps of every shape the graphs would capture (`--eager-first`: is
+it the capture, or the forwards at new shapes?), after building the prefill graphs up to `--tokens`
+by hand, and once they are deleted. One JSON line per case. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ import torch
 
 from mllmd import LLM
 from mllmd.bench.one_batch import random_prompts, time_engine
-from mllmd.engine.prefill_graph import PrefillGraphRunner
+from mllmd.engine.prefill_graph import PrefillGraphRunner, row_buckets, token_buckets
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model")
     ap.add_argument("--tokens", type=int, default=256, help="the largest prefill graph built by hand")
+    ap.add_argument("--eager-first", action="store_true", help="eager steps of the graphs' shapes before the graphs")
+    ap.add_argument("--no-heat", action="store_true", help="skip the allocation, matmul, idle and matmul-graph cases")
     args = ap.parse_args()
     bs, inl, outl = 64, 128, 32
     llm = LLM(args.model, dtype="bfloat16", max_running_requests=bs, max_total_tokens=bs * (inl + outl) + 16,
@@ -42,29 +46,37 @@ def main() -> None:
         print(json.dumps({"case": case, "step_ms": [round(x, 4) for x in steps]}), flush=True)
 
     measure("as loaded")
-    big = torch.ones(4 << 30, dtype=torch.uint8, device="cuda")
-    measure("4 GB allocated")
-    del big
-    torch.cuda.empty_cache()
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t0 = time.time()
-    while time.time() - t0 < 10:
-        a @ a
-    torch.cuda.synchronize()
-    measure("after 10 s of matmuls")
-    time.sleep(15)
-    measure("after 15 s idle")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        a @ a
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
+    if not args.no_heat:
+        big = torch.ones(4 << 30, dtype=torch.uint8, device="cuda")
+        measure("4 GB allocated")
+        del big
+        torch.cuda.empty_cache()
+        a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        t0 = time.time()
+        while time.time() - t0 < 10:
             a @ a
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    measure("a matmul graph captured")
-    del graph, a
+        torch.cuda.synchronize()
+        measure("after 10 s of matmuls")
+        time.sleep(15)
+        measure("after 15 s idle")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            a @ a
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                a @ a
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        measure("a matmul graph captured")
+        del graph, a
+    if args.eager_first:
+        rows = row_buckets(runner._graph_max_bs())
+        for t in token_buckets(args.tokens):
+            for r in (r for r in rows if r <= t):
+                time_engine(llm, random_prompts(r, t // r, vocab, t + r), 1)
+        torch.cuda.synchronize()
+        measure(f"eager prefill steps of the graphs' shapes up to {args.tokens} tokens")
     pg = PrefillGraphRunner(runner.model, runner.attn_backend, runner.token_buf, args.tokens, runner._graph_max_bs(),
                             runner._graph_plan(), images=runner._graph_images())  # fmt: skip
     torch.cuda.synchronize()

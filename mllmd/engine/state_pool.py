@@ -77,12 +77,13 @@ SNAPSHOT_CHUNK = CHUNK  # the chunk kernel's chunk: snapshots fall on its bounda
 class StateStep:
     """One step's view of the pools (mllmd.models.layers.gated_deltanet.RecurrentStep)."""
 
-    __slots__ = ("pool", "decode", "slots", "has_initial_state", "cu_seqlens", "snapshots")
+    __slots__ = ("pool", "decode", "slots", "has_initial_state", "cu_seqlens", "snapshots", "_conv_rows")
 
     def __init__(self, pool: StatePool, decode: bool, slots: torch.Tensor, extend_lens: torch.Tensor,
                  snapshots: StepSnapshots | None = None) -> None:  # fmt: skip
         self.pool, self.decode, self.slots = pool, decode, slots
         self.snapshots = snapshots
+        self._conv_rows: torch.Tensor | None = None
         # every slot holds its request's state (zeroed or copied in at admission): always read it
         self.has_initial_state = torch.ones_like(slots, dtype=torch.bool)
         if decode:
@@ -95,6 +96,15 @@ class StateStep:
 
     def ssm_state(self, layer: int) -> torch.Tensor:
         return self.pool.ssm[layer]
+
+    def snapshot_conv_rows(self, width: int) -> torch.Tensor:
+        """Each snapshot's conv-state inputs by token index (RecurrentStep), once a step: every layer
+        shares them, and an eager step would otherwise pay three launches a layer for them."""
+        if self._conv_rows is None:
+            assert self.snapshots is not None
+            ends = self.snapshots.ends
+            self._conv_rows = (ends[:, None] + torch.arange(1 - width, 0, device=ends.device)).clamp_min(0)
+        return self._conv_rows
 
 
 def snapshot_inputs(

@@ -74,6 +74,11 @@ class RecurrentStep(Protocol):
         """[S, conv_dim, K - 1] in the model dtype."""
         ...
 
+    def snapshot_conv_rows(self, width: int) -> torch.Tensor:
+        """[S, width - 1] int64: the step's token index of each snapshot's conv-state inputs (the
+        width - 1 before its position, oldest first, clamped at 0); built once a step for all layers."""
+        ...
+
     def ssm_state(self, layer: int) -> torch.Tensor:
         """[S, Hv, Dk, Dv] float32."""
         ...
@@ -133,10 +138,6 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, hidden, dtype=dtype, quant=get_linear_scheme(quant, f"{prefix}.out_proj"))
         self.norm_in_out_proj = False  # set by the fusion plan: a dense out_proj's GEMV applies the gated norm
 
-    def _conv_history(self, device: torch.device) -> torch.Tensor:
-        """Offsets -(K - 1) .. -1: the inputs a conv state holds, oldest first."""
-        return torch.arange(1 - self.conv_width, 0, device=device)
-
     @property
     def state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """(conv state [conv_dim, K - 1], recurrent state [Hv, Dk, Dv]) of one request."""
@@ -158,7 +159,7 @@ class GatedDeltaNet(nn.Module):
             y = conv(mixed, weight, None, states.cu_seqlens, conv_state, states.slots, states.has_initial_state)
             snaps = states.snapshots
             if snaps is not None:  # a snapshot's conv state: the K - 1 inputs before its position
-                before = (snaps.ends[:, None] + self._conv_history(mixed.device)).clamp_min(0)  # [S, K - 1]
+                before = states.snapshot_conv_rows(self.conv_width)  # [S, K - 1]
                 conv_state[snaps.slots] = mixed[before].transpose(1, 2).to(conv_state.dtype)
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.unflatten(-1, (self.num_k_heads, self.head_k_dim))
