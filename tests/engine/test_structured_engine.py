@@ -9,6 +9,7 @@ bitmask application against xgrammar's own.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -123,25 +124,29 @@ def test_bitmask_application_matches_xgrammar() -> None:
 
 def test_qwen3_5_xml_tool_call_constraint_parses_back_to_valid_arguments(llm: LLM) -> None:
     """Qwen3.5's `<function=...><parameter=...>` form: what the grammar lets through, its tool parser
-    turns into arguments that validate against the tool's schema."""
+    turns into arguments that validate against the tool's schema (an enum, a bounded integer, a
+    string's minLength / maxLength and pattern)."""
     from mllmd.openai.tool_parser import Qwen35ToolParser
 
     schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
                                                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                               "note": {"type": "string"}}, "required": ["city", "days"]}
+                                               "code": {"type": "string", "minLength": 2, "maxLength": 4},
+                                               "zip": {"type": "string", "pattern": "^[0-9]{3}$"},
+                                               "note": {"type": "string"}}, "required": ["city", "days", "code", "zip"]}
     tool = {"type": "function", "function": {"name": "weather", "parameters": schema}}
     c = OutputConstraint("tool_calls", tools=[ToolSchema("weather", json.dumps(schema))], tool_format="qwen3_xml")
     stopped = 0
     for seed in range(6):
-        out = llm.generate(["w"], SamplingParams(max_tokens=96, temperature=1.0, seed=seed, constraint=c))[0]
+        out = llm.generate(["w"], SamplingParams(max_tokens=128, temperature=1.0, seed=seed, constraint=c))[0]
         if out.finish_reason != "stop":
-            assert "<parameter=note>" in out.text  # only the free-text parameter may run on
+            assert "<parameter=note" in out.text  # only the free-text parameter may run on
             continue
         stopped += 1
         content, calls = Qwen35ToolParser([tool]).extract(out.text)
         assert content == "" and len(calls) == 1, out.text
         args = json.loads(calls[0].arguments)
         assert args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+        assert 2 <= len(args["code"]) <= 4 and re.fullmatch("[0-9]{3}", args["zip"]), args
     assert stopped
 
 
