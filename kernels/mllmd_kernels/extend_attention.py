@@ -16,8 +16,12 @@ from __future__ import annotations
 import torch
 
 from mllmd_kernels._triton import cdiv, dot_in_fp32, next_pow2, tl, triton
+from mllmd_kernels.tiling import max_shared_memory
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x * scale) == exp2(x * scale * log2(e))
+# 64 x 64 tiles at head_dim 256 take about 160 KiB of shared memory in two stages: Hopper's 227 KiB
+# hold them, sm80 / sm87's 163 KiB do not (the CPU interpreter and the sm87 compile check stay small)
+WIDE_HEAD_SMEM = 200 * 1024
 
 
 def extend_attention_ref(
@@ -188,8 +192,10 @@ def extend_attention(
     dot_f32 = dot_in_fp32(q.dtype)
     if dot_f32:
         block_m, block_n = (32, 32) if block_d <= 128 else (16, 32)
-    else:
-        block_m, block_n = (64, 64) if block_d <= 128 else (32, 32)
+    elif block_d <= 128 or (q.is_cuda and max_shared_memory(q) >= WIDE_HEAD_SMEM):
+        block_m, block_n = 64, 64  # head_dim 256 too where its tiles fit (NOTES.md: 1.8x at 2,048 tokens)
+    else:  # head_dim 256 on sm80 / sm87 (163 KiB a block)
+        block_m, block_n = 32, 32
     num_warps, num_stages = 4, 2
     if tiles is not None:
         block_m, block_n, num_warps, num_stages = tiles

@@ -217,6 +217,26 @@ def test_hybrid_steps_carry_their_state_through_prefill_graphs(tmp_path: Path, m
 
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+def test_hybrid_models_keep_the_graph_where_the_backend_prefers_eager(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, qwen3_tied: Path
+) -> None:
+    """The attention backend may ask for an eager step (its dense route for long fresh prompts at
+    head_dim 256): a plain model's prompt then leaves the prefill graph, a hybrid model's stays in it,
+    since its eager step would pay the host for every DeltaNet layer to speed up its few attention
+    layers."""
+    from mllmd.engine.attention.triton_backend import TritonAttentionBackend
+    from tests.engine.test_qwen3_5 import build_long_memory_model, prompt
+
+    monkeypatch.setattr(TritonAttentionBackend, "prefers_eager", lambda self, *a: True)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    RerunGraph.rows.clear()
+    _llm(qwen3_tied, True).generate([_tokenize(qwen3_tied)[0][:30]], params)
+    assert not RerunGraph.rows, "the plain model's prompt ran eagerly"
+    _hybrid_llm(build_long_memory_model(tmp_path / "q35"), 48, max_running_requests=4).generate([prompt(1, 30)], params)
+    assert RerunGraph.rows, "the hybrid model's prompt ran in its prefill graph"
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
 def test_hybrid_snapshots_taken_inside_a_prefill_graph(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A 120-token Qwen3.5 prompt in one step of the 128-token graph takes its prefix-cache snapshot at
     64 inside the graph (the graph's snapshot inputs: the chunk kernel's table, the conv states' token
