@@ -30,7 +30,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     graph_size: int = 0  # > 0: staged in the inputs of the decode CUDA graph of this size (CudaGraphRunner.stage)
-    prefill_graph: tuple[int, int] | None = None  # (tokens, rows): staged in that prefill graph's inputs
+    prefill_graph: tuple[int, int, bool] | None = None  # (tokens, rows, fresh): staged in that prefill graph's inputs
     images: StepImages | None = None  # the step's image tokens (vision-language models)
     state_slots: torch.Tensor | None = None  # [B] int64: each row's recurrent-state slot (hybrid models)
     state_snapshots: StepSnapshots | None = None  # prefix-cache snapshots the step takes (hybrid prefill steps)

@@ -31,6 +31,11 @@ buffers the graphs share; `stage` scatters the step's image rows into them on th
 with images, a chunk that ends inside an image and text after images all replay graphs. Not for
 prompt logprobs, nor for attention backends that do not plan from device tensors
 (`supports_prefill_graph`): those steps run eagerly.
+
+Fresh rows: where the backend has a faster route for one row with no prefix (`fresh_route_pays`: the
+Triton backend's SDPA over the row's own K/V, from 1,024 tokens at head_dim 256 and 2,048 x 32 heads
+at 128), a second graph of that bucket is captured on it, and only a one-row step with no cached
+prefix replays it; every other step's graph attends through the paged kernel, prefix and all.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ ROWS, SEQ_LENS, EXTEND_LENS, LOGIT_ROWS, STATE = range(5)
 NUM_ROW_FIELDS = 5
 
 _TOKEN_BUCKETS = [16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048]
+
+GraphKey = tuple[int, int, bool]  # (token bucket, row bucket, fresh: one row without a prefix, on its own route)
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,12 @@ class PrefillGraphRunner:
         self.device = dev = token_buf.device
         self.token_sizes = token_buckets(max_tokens)
         self.row_sizes = row_buckets(max_rows)
-        # (tokens, rows) with rows <= tokens: a row holds at least one token
+        # (tokens, rows) with rows <= tokens: a row holds at least one token; graphs of one fresh row too
+        # where the backend's route for it differs (they share the inputs of their (tokens, 1) bucket)
         self.keys = [(t, r) for t in self.token_sizes for r in self.row_sizes if r <= t]
+        shape = model.attention_shape
+        fresh = [(t, 1, True) for t in self.token_sizes if backend.fresh_route_pays(t, shape.num_heads, shape.head_dim)]
+        self.graph_keys: list[GraphKey] = [(t, r, False) for t, r in self.keys] + fresh
         self.axes = 3 if images is not None else 1  # RoPE position rows
         self.token_fields = ROPE + self.axes
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -140,8 +151,8 @@ class PrefillGraphRunner:
             self.image_mask = torch.zeros(t_max, dtype=torch.bool, device=dev)
             self.image_embeds = torch.zeros((t_max, images.hidden), dtype=images.dtype, device=dev)
             self.image_deepstack = [torch.zeros_like(self.image_embeds) for _ in range(images.deepstack)]
-        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
-        self.graphs: dict[tuple[int, int], StepGraph] = {}
+        self.hidden: dict[GraphKey, torch.Tensor] = {}
+        self.graphs: dict[GraphKey, StepGraph] = {}
         self.pool: Any = None
         stream = None
         if new_graph is None:
@@ -150,7 +161,7 @@ class PrefillGraphRunner:
             new_graph = lambda pool: CudaStepGraph(stream, pool)  # noqa: E731
         start = time.perf_counter()
         with torch.inference_mode():
-            for key in sorted(self.keys, reverse=True):  # largest first: the smaller steps reuse its memory
+            for key in sorted(self.graph_keys, reverse=True):  # largest first: the smaller steps reuse its memory
                 graph = new_graph(self.pool)
                 self.hidden[key] = graph.capture(functools.partial(self._step, key))
                 self.pool = graph.pool
@@ -159,8 +170,8 @@ class PrefillGraphRunner:
             torch.cuda.current_stream(dev).wait_stream(stream)
             torch.cuda.synchronize(dev)
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d prefill CUDA graphs (tokens %s x rows %s) in %.1f s", len(self.keys),
-                    self.token_sizes, self.row_sizes, self.capture_seconds)
+        logger.info("captured %d prefill CUDA graphs (tokens %s x rows %s, %d of one fresh row) in %.1f s",
+                    len(self.graph_keys), self.token_sizes, self.row_sizes, len(fresh), self.capture_seconds)
 
     def _snapshot_fields(self, t: int, r: int) -> int:
         """Hybrid models: a graph's inputs end with the prefix-cache snapshots its step takes (at most
@@ -169,28 +180,28 @@ class PrefillGraphRunner:
         c = t // SNAPSHOT_CHUNK if self.with_state_slots else 0
         return _padded(r * c) + 2 * _padded(c) if c else 0
 
-    def _views(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _views(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
         """A graph's static inputs as [token_fields, T] and [NUM_ROW_FIELDS, R]."""
-        t, r = key
-        flat = self.inputs[key]
+        t, r, _ = key
+        flat = self.inputs[(t, r)]
         split = self.token_fields * t
         rows = flat[split : split + NUM_ROW_FIELDS * _padded(r)].view(NUM_ROW_FIELDS, _padded(r))[:, :r]
         return flat[:split].view(self.token_fields, t), rows
 
-    def _snapshot_views(self, key: tuple[int, int]) -> StepSnapshots | None:
-        t, r = key
+    def _snapshot_views(self, key: GraphKey) -> StepSnapshots | None:
+        t, r, _ = key
         if not self._snapshot_fields(t, r):
             return None
         c = t // SNAPSHOT_CHUNK
-        flat = self.inputs[key][self.token_fields * t + NUM_ROW_FIELDS * _padded(r) :]
+        flat = self.inputs[(t, r)][self.token_fields * t + NUM_ROW_FIELDS * _padded(r) :]
         ends_at = _padded(r * c)
         return StepSnapshots(flat[: r * c].view(r, c), flat[ends_at : ends_at + c],
                              flat[ends_at + _padded(c) : ends_at + _padded(c) + c])  # fmt: skip
 
-    def _batch(self, key: tuple[int, int], num_tokens: int, num_rows: int, num_logits: int) -> ForwardBatch:
+    def _batch(self, key: GraphKey, num_tokens: int, num_rows: int, num_logits: int) -> ForwardBatch:
         """The first tokens, rows and logits rows of a graph's static inputs, as a batch; the host
         lengths are the captured step's (one row of all T tokens) until `stage` sets the real ones."""
-        t, r = key
+        t, r, _ = key
         tok, rows = self._views(key)
         images = None
         if self.images is not None:
@@ -210,12 +221,13 @@ class PrefillGraphRunner:
             state_slots=rows[STATE, :num_rows] if self.with_state_slots else None,
             state_snapshots=self._snapshot_views(key),
             images=images,
+            prefill_graph=key,
         )
 
-    def _step(self, key: tuple[int, int]) -> torch.Tensor:
+    def _step(self, key: GraphKey) -> torch.Tensor:
         """What a graph runs: complete the inputs, then the model over all T tokens; the final hidden
         states [R, H] of the logits rows."""
-        t, r = key
+        t, r, _ = key
         batch = self._batch(key, t, r, r)
         tok, _ = self._views(key)
         decode_inputs(tok[IDS], tok[COLUMNS], tok[LOCS], tok[TOKEN_ROWS], tok[FILL], self.token_buf, self.req_to_token)
@@ -228,7 +240,7 @@ class PrefillGraphRunner:
             return None
         t = self.token_sizes[bisect.bisect_left(self.token_sizes, num_tokens)]
         r = self.row_sizes[bisect.bisect_left(self.row_sizes, num_rows)]
-        return (t, r) if (t, r) in self.graphs else None
+        return (t, r) if (t, r, False) in self.graphs else None
 
     def stage(
         self,
@@ -255,6 +267,7 @@ class PrefillGraphRunner:
         if key is None or len(logits_rows) > b or ((axes is not None or images is not None) and self.images is None):
             return None
         t, r = key
+        gkey = (t, r, b == 1 and not prefix_lens[0] and (t, 1, True) in self.graphs)
         snapshot_host: list[int] = []
         if self._snapshot_fields(t, r):  # every graph of 64 tokens or more takes them (none: -1 and padding)
             c = t // SNAPSHOT_CHUNK
@@ -279,11 +292,10 @@ class PrefillGraphRunner:
             flat.copy_(torch.tensor(host, dtype=torch.int64, pin_memory=True), non_blocking=True)
         else:
             flat.copy_(torch.tensor(host, dtype=torch.int64))
-        tok, _ = self._views(key)
+        tok, _ = self._views(gkey)
         tok[LOCS, :n].copy_(out_cache_loc)
-        batch = self._batch(key, n, b, len(logits_rows))
+        batch = self._batch(gkey, n, b, len(logits_rows))
         batch.seq_lens_cpu, batch.prefix_lens_cpu, batch.extend_lens_cpu = list(seq_lens), list(prefix_lens), list(extend_lens)
-        batch.prefill_graph = key
         return batch
 
     def _stage_images(self, images: ImageEmbeds | None, num_tokens: int) -> None:

@@ -86,6 +86,35 @@ def test_prefill_graphs_match_eager_steps(qwen3_tied: Path) -> None:
 
 
 @pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
+def test_dense_route_graphs_only_replay_fresh_rows(qwen3_tied: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention backend's dense route (SDPA over a row's own tokens, for long fresh prompts) made
+    to apply here from 16 tokens: a one-row step with a cached prefix (a prefix hit, a continuation
+    chunk) must not replay a graph captured on that route, which would attend past none of the prefix.
+    Tokens equal the eager run's; fresh rows still replay the dense graphs. (Before: a continuation of
+    1,537-2,048 tokens on Qwen3-8B, or of 769+ on Qwen3.5, replayed the 2,048 / 1,024 dense graph.)"""
+    import mllmd.engine.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "DENSE_PREFILL_DTYPES", (torch.float32,))
+    monkeypatch.setattr(tb, "DENSE_PREFILL_MIN_TOKENS", 16)
+    monkeypatch.setattr(tb, "DENSE_PREFILL_MIN_HEAD_TOKENS", 0)
+    dense_rows: list[int] = []
+    real = tb.dense_causal_attention
+    monkeypatch.setattr(tb, "dense_causal_attention", lambda q, *a: dense_rows.append(q.shape[0]) or real(q, *a))
+    base = max(_tokenize(qwen3_tied), key=len)[:30]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        llm = _llm(qwen3_tied, graphs)
+        dense_rows.clear()  # (the capture ran each fresh-row graph once)
+        # (chunks of 20) fresh; a prefix hit with 20+ new tokens; a fresh 40-token prompt
+        outs = [llm.generate([p], params)[0] for p in (base, base + base[:20], base[::-1] + base[5:15])]
+        assert outs[1].cached_tokens > 0
+        runs[graphs] = [o.token_ids for o in outs]
+        assert (32 if graphs else 20) in dense_rows, "the fresh prompt's first chunk took the dense route"
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.skipif(not (HAS_TRITON and interpreting()), reason="the Triton interpreter on the CPU (TRITON_INTERPRET=1)")
 def test_vision_language_text_steps_run_in_prefill_graphs(tmp_path: Path) -> None:
     """Qwen3-VL: text after the images runs in the graphs at index + M-RoPE delta (a follow-up turn over
     a cached image, decodes of an image request beside a text prompt's chunks): the same tokens as the
@@ -230,7 +259,7 @@ def test_hybrid_models_keep_the_graph_where_the_backend_prefers_eager(
     monkeypatch.setattr(TritonAttentionBackend, "prefers_eager", lambda self, *a: True)
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     RerunGraph.rows.clear()
-    _llm(qwen3_tied, True).generate([_tokenize(qwen3_tied)[0][:30]], params)
+    _llm(qwen3_tied, True).generate([max(_tokenize(qwen3_tied), key=len)[:30]], params)
     assert not RerunGraph.rows, "the plain model's prompt ran eagerly"
     _hybrid_llm(build_long_memory_model(tmp_path / "q35"), 48, max_running_requests=4).generate([prompt(1, 30)], params)
     assert RerunGraph.rows, "the hybrid model's prompt ran in its prefill graph"

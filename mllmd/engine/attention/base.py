@@ -49,6 +49,11 @@ class AttentionBackend(ABC):
         and with `out_absmax` float32 partials whose max is max|out| where the backend's kernel writes
         them, else None)."""
 
+    def fresh_route_pays(self, tokens: int, q_heads: int, head_dim: int) -> bool:
+        """One row of `tokens` tokens with no prefix has a faster route of its own, which a prefill graph
+        of that bucket may capture (replayed only by such rows); False by default."""
+        return False
+
     def prefers_eager(self, prefix_lens: list[int], extend_lens: list[int], q_heads: int, head_dim: int) -> bool:
         """A prefill step of these rows runs faster eagerly than as a padded prefill graph (a route the
         backend takes only outside graphs); False by default."""

@@ -65,9 +65,10 @@ def _fresh_long_rows(prefix_lens: list[int], extend_lens: list[int], dtype: torc
 
 
 def _dense_rows(batch: ForwardBatch, dtype: torch.dtype) -> list[tuple[int, int]] | None:
-    """The rows of an eager prefill step that all start at position 0 with enough tokens that SDPA may
-    pay (attend() decides with the layer's head counts)."""
-    if (batch.prefill_graph is not None or batch.graph_size
+    """The rows of an eager prefill step (or of a prefill graph's fresh-row variant) that all start at
+    position 0 with enough tokens that SDPA may pay (attend() decides with the layer's head counts)."""
+    graph = batch.prefill_graph  # a prefill graph's step: only its fresh-row variant takes the route
+    if (batch.graph_size or (graph is not None and not graph[2])
             or not _fresh_long_rows(batch.prefix_lens_cpu, batch.extend_lens_cpu, dtype)):  # fmt: skip
         return None
     rows, start = [], 0
@@ -108,6 +109,10 @@ class TritonAttentionBackend(AttentionBackend):
     # the extend kernel's grid follows max_extend_len only (the padded bucket's at capture): tiles past
     # a row's extend length exit, a row of length 0 computes nothing
     supports_prefill_graph = True
+
+    def fresh_route_pays(self, tokens: int, q_heads: int, head_dim: int) -> bool:
+        """SDPA over a fresh row's own K/V (the dense route) where it beats the paged kernel."""
+        return _fresh_long_rows([0], [tokens], self.kv_pool.k_buffer[0].dtype) and dense_pays(tokens, q_heads, head_dim)
 
     def prefers_eager(self, prefix_lens: list[int], extend_lens: list[int], q_heads: int, head_dim: int) -> bool:
         """Fresh prompts for which the dense SDPA route (eager steps only) saves more than a graph would:
