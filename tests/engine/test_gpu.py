@@ -182,7 +182,34 @@ def test_prefill_graphs_match_eager(model_0_6b: Path):
         outs += llm.generate([list(range(2000, 2040))], params)
         runs[graphs] = [o.token_ids for o in outs]
     assert runs[True] == runs[False]
-    assert len(replays) >= 5 and len({rows for _, rows in replays}) >= 2, replays
+    assert len(replays) >= 5 and len({key[1] for key in replays}) >= 2, replays
+
+
+def test_dense_route_graphs_replay_only_fresh_rows(model_0_6b: Path, monkeypatch: pytest.MonkeyPatch):
+    """The Triton backend's dense route (SDPA over a fresh row's own K/V) made to apply from 16 tokens,
+    float32 included: a fresh one-row prompt replays its bucket's fresh-row graph, a continuation chunk
+    and a prefix hit replay the paged graphs (the dense one would attend past none of the prefix), and
+    the tokens equal the eager run's (tests/kernel/test_prefill_graph.py has the same on the CPU)."""
+    import mllmd.engine.attention.triton_backend as tb
+
+    monkeypatch.setattr(tb, "DENSE_PREFILL_DTYPES", (torch.float32,))
+    monkeypatch.setattr(tb, "DENSE_PREFILL_MIN_TOKENS", 16)
+    monkeypatch.setattr(tb, "DENSE_PREFILL_MIN_HEAD_TOKENS", 0)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    base = list(range(1000, 1040))  # chunks of 24 and 16
+    prompts = [base, base[:32] + list(range(3000, 3030)), list(range(5000, 5020))]  # fresh, a prefix hit, fresh
+    opts = dict(dtype="float32", chunked_prefill_size=24, max_prefill_tokens=64)
+    runs, replays = {}, []
+    for graphs in (True, False):
+        llm = _llm(model_0_6b, prefill_graph_max_tokens=64 if graphs else 0, **opts)
+        pg = llm.engine.runner.prefill_graphs
+        if pg is not None:
+            real_run = pg.run
+            pg.run = lambda batch, run=real_run: replays.append((batch.prefill_graph, sum(batch.prefix_lens_cpu))) or run(batch)
+        runs[graphs] = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert runs[True] == runs[False]
+    assert any(key[2] for key, prefix in replays if not prefix), replays
+    assert not any(key[2] for key, prefix in replays if prefix), replays
 
 
 def _fill_free_cached_blocks(value: int) -> list[torch.Tensor]:
