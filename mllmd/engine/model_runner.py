@@ -481,9 +481,9 @@ class ModelRunner:
         snapshots = sched.snapshots if takes_snapshots(list(sched.prefix_lens), sched.snapshots) else None
         pg = self.prefill_graphs
         shape = self.model.attention_shape
-        # Hybrid models keep the graph: the dense route speeds up their few attention layers while an
-        # eager step pays the host for every layer (Qwen3.5's first token 1.04-3.4x faster in a graph
-        # at 1,024 and 2,048 tokens: docs/benchmarks.md)
+        # Hybrid models keep the graph: an eager step pays the host for every layer, and the dense route
+        # it would take speeds up only their few attention layers (Qwen3.5's first token 1.04-3.4x
+        # faster in a graph at 1,024 and 2,048 tokens: docs/benchmarks.md)
         if (pg is not None and not prompt_spans
                 and (self.state_pool is not None
                      or not self.attn_backend.prefers_eager(list(sched.prefix_lens), list(sched.extend_lens),

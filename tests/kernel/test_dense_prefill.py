@@ -48,21 +48,25 @@ def test_dense_route_follows_the_h200_sweep() -> None:
 
 
 def test_only_head_dim_256_prompts_leave_the_prefill_graph_for_the_dense_route() -> None:
-    """prefers_eager: fresh bf16 prompts where SDPA pays at head_dim 256 run eagerly (the dense route);
-    at head_dim 128 the graph stays (its gain beats SDPA's); a prefix hit, a short row or float32 never."""
+    """prefers_eager: several fresh bf16 prompts where SDPA pays at head_dim 256 run eagerly (the dense
+    route); one fresh row keeps its graph (the fresh-row variant takes the route: fresh_route_pays); at
+    head_dim 128 the graph stays (its gain beats SDPA's); a prefix hit, a short row or float32 never."""
 
     class _Pool:
         def __init__(self, dtype: torch.dtype) -> None:
             self.k_buffer = [torch.zeros(1, 1, 1, dtype=dtype)]
 
     backend = tb.TritonAttentionBackend(_Pool(torch.bfloat16), torch.zeros(1, 1, dtype=torch.int64))  # type: ignore[arg-type]
-    assert backend.prefers_eager([0], [1024], 16, 256) and backend.prefers_eager([0, 0], [2048, 1500], 16, 256)
+    assert backend.prefers_eager([0, 0], [1024, 1024], 16, 256) and backend.prefers_eager([0, 0], [2048, 1500], 16, 256)
+    assert not backend.prefers_eager([0], [2048], 16, 256)  # one fresh row: its graph's fresh-row variant
+    assert backend.fresh_route_pays(1024, 16, 256) and not backend.fresh_route_pays(768, 16, 256)
+    assert backend.fresh_route_pays(2048, 32, 128) and not backend.fresh_route_pays(1536, 32, 128)
     assert not backend.prefers_eager([0, 0], [2048, 1000], 16, 256)  # the shortest row decides
     assert not backend.prefers_eager([0, 64], [2048, 2048], 16, 256)  # a prefix hit
     assert not backend.prefers_eager([0], [2048], 32, 128)  # 8B: SDPA pays, but less than the graph
     assert not backend.prefers_eager([], [], 16, 256)
     fp32 = tb.TritonAttentionBackend(_Pool(torch.float32), torch.zeros(1, 1, dtype=torch.int64))  # type: ignore[arg-type]
-    assert not fp32.prefers_eager([0], [2048], 16, 256)
+    assert not fp32.prefers_eager([0, 0], [2048, 2048], 16, 256) and not fp32.fresh_route_pays(2048, 16, 256)
 
 
 @pytest.mark.skipif(not HAS_TRITON or not (GPU or interpreting()), reason="needs CUDA or the Triton interpreter")

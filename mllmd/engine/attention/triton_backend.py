@@ -115,12 +115,14 @@ class TritonAttentionBackend(AttentionBackend):
         return _fresh_long_rows([0], [tokens], self.kv_pool.k_buffer[0].dtype) and dense_pays(tokens, q_heads, head_dim)
 
     def prefers_eager(self, prefix_lens: list[int], extend_lens: list[int], q_heads: int, head_dim: int) -> bool:
-        """Fresh prompts for which the dense SDPA route (eager steps only) saves more than a graph would:
-        at head_dim 256 (Qwen3.5), where the sweep measured SDPA at 1.4-2.4x the paged kernel from 1,024
-        tokens (2,048: 149 against 355 us a layer). At head_dim 128 SDPA saves at most 10% of attention
-        (8B, 2,048 tokens: 138 against 154 us) and the graph wins (W8A8 8B 2,048 tokens: 34.8 ms in a
-        graph, 47.0 eager), so those steps keep the graph."""
-        return (head_dim > 128 and _fresh_long_rows(prefix_lens, extend_lens, self.kv_pool.k_buffer[0].dtype)
+        """Steps of several fresh prompts for which the dense SDPA route (eager only: one fresh row takes
+        it in its graph's fresh-row variant) saves more than a graph would: at head_dim 256, where the
+        sweep measured SDPA at 1.4-2.4x the paged kernel from 1,024 tokens (2,048: 149 against 355 us a
+        layer). At head_dim 128 SDPA saves at most 10% of attention (8B, 2,048 tokens: 138 against 154
+        us) and the graph wins (W8A8 8B 2,048 tokens: 34.8 ms in a graph, 47.0 eager), so those steps
+        keep the graph. (Hybrid models never ask: model_runner.)"""
+        return (head_dim > 128 and len(extend_lens) > 1
+                and _fresh_long_rows(prefix_lens, extend_lens, self.kv_pool.k_buffer[0].dtype)
                 and dense_pays(min(extend_lens), q_heads, head_dim))  # fmt: skip
 
     def metadata(self, batch: ForwardBatch) -> _DecodeMeta | _ExtendMeta:
