@@ -193,7 +193,7 @@ def extend_attention(
     if dot_f32:
         block_m, block_n = (32, 32) if block_d <= 128 else (16, 32)
     elif block_d <= 128 or (q.is_cuda and max_shared_memory(q) >= WIDE_HEAD_SMEM):
-        block_m, block_n = 64, 64  # head_dim 256 too where its tiles fit (NOTES.md: 1.8x at 2,048 tokens)
+        block_m, block_n = 64, 64  # head_dim 256 too where its tiles fit (the sweep: NOTES.md)
     else:  # head_dim 256 on sm80 / sm87 (163 KiB a block)
         block_m, block_n = 32, 32
     num_warps, num_stages = 4, 2

@@ -482,8 +482,8 @@ class ModelRunner:
         pg = self.prefill_graphs
         shape = self.model.attention_shape
         # Hybrid models keep the graph: an eager step pays the host for every layer, and the dense route
-        # it would take speeds up only their few attention layers (Qwen3.5's first token 1.04-3.4x
-        # faster in a graph at 1,024 and 2,048 tokens: docs/benchmarks.md)
+        # it would take speeds up only their few attention layers (Qwen3.5's first token by routing:
+        # docs/benchmarks.md)
         if (pg is not None and not prompt_spans
                 and (self.state_pool is not None
                      or not self.attn_backend.prefers_eager(list(sched.prefix_lens), list(sched.extend_lens),
