@@ -58,6 +58,7 @@ from mllmd_kernels.w4a16_dequant import (
     SCALE_DTYPES,
     dequantize_int4_ref,
     pack_int4_ref,
+    scales_exact_in,
     unpack_int4_ref,
     w4a16_dequantize,
 )
@@ -137,6 +138,7 @@ __all__ = [
     "silu_and_mul_int8",
     "silu_and_mul_int8_ref",
     "silu_and_mul_ref",
+    "scales_exact_in",
     "store_cache",
     "store_cache_ref",
     "store_cache_triton",

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from mllmd_kernels._triton import cdiv, tl, triton
+from mllmd_kernels import knobs
+from mllmd_kernels._triton import cdiv, interpreting, tl, triton
 from mllmd_kernels.w4a16_config import group_block_k
 
 # Scale dtypes the kernels read (each widened to float32 on load, so a bf16 scale that holds the
@@ -90,6 +91,179 @@ def _dequant_f32(
     else:
         f = f - 8388616.0
     return f * s[:, None]
+
+
+# DEQUANT modes of the tensor-core tilings (`dequant_mode`): the weight tile in float32 then rounded
+# (`_dequant_f32`); or built from its eight nibble planes in the activation dtype (`_dequant_planes`),
+# each plane by Triton ops (float32, rounded: any scales) or by packed 16-bit arithmetic in PTX
+# (scales exact in the activation dtype: the same bits, about a quarter of the instructions).
+DEQUANT_F32, DEQUANT_PLANES, DEQUANT_PLANES_PTX = 0, 1, 2
+
+
+def dequant_mode(x: torch.Tensor, exact_scales: bool) -> int:
+    """How the tensor-core tilings dequantize for activations like `x`, given whether the scales hold
+    values exact in x's dtype (`scales_exact_in`): the nibble planes only with MLLMD_W4A16_PLANES=1
+    (not yet timed on a GPU), a 16-bit x and exact scales (else the float32 path, which rounds once as
+    the reference does); in PTX where the kernel is compiled, in Triton ops under the interpreter."""
+    if not (exact_scales and knobs.w4a16_planes()) or x.dtype not in (torch.bfloat16, torch.float16):
+        return DEQUANT_F32
+    return DEQUANT_PLANES if interpreting() else DEQUANT_PLANES_PTX
+
+
+def scales_exact_in(w_scale: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Every scale is a value of `dtype` (a bf16 checkpoint's scales widened to float32 are), so that
+    (q - zero_point) * scale, exact in float32, rounds to the same `dtype` value from either side.
+    One device synchronisation: call it at load."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    s = w_scale.float()
+    return bool(torch.equal(s.to(dtype).float(), s))
+
+
+@triton.jit
+def _pair_bits(v, DTYPE: tl.constexpr):
+    """[R] float32 -> int32 holding v in `DTYPE` in both 16-bit halves (a packed x2 operand)."""
+    b = v.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _planes_ptx_bf16(words, neg_offset2, scale2):
+    """The eight nibble planes of int32 `words` as bf16: plane j = (nibble j + MAGIC - (MAGIC + 8 +
+    zero point)) * scale. The bytes of the word and of the word shifted by 4 are paired (PRMT) so that
+    nibbles 2i and 2i + 1 sit 16 bits apart, then one LOP3 ORs both into the mantissa of MAGIC (128 in
+    bf16, 1024 in fp16: exact), one packed FMA subtracts the offset (an exact small integer), one
+    multiplies by the scale (one rounding, as the reference's). `neg_offset2` / `scale2`: -(MAGIC + 8 +
+    zero point) and the scale as packed pairs; outputs in plane order, each pair as the join wants it."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+            .reg .b32 t0, t1, t2, t3, u, one, nz;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 nz, 0x80008000;
+            shr.u32 u, $8, 4;
+            prmt.b32 t0, $8, u, 0x0400;
+            prmt.b32 t1, $8, u, 0x0501;
+            prmt.b32 t2, $8, u, 0x0602;
+            prmt.b32 t3, $8, u, 0x0703;
+            lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xEA;
+            fma.rn.bf16x2 t0, t0, one, $9;
+            fma.rn.bf16x2 t1, t1, one, $9;
+            fma.rn.bf16x2 t2, t2, one, $9;
+            fma.rn.bf16x2 t3, t3, one, $9;
+            fma.rn.bf16x2 t0, t0, $10, nz;
+            fma.rn.bf16x2 t1, t1, $10, nz;
+            fma.rn.bf16x2 t2, t2, $10, nz;
+            fma.rn.bf16x2 t3, t3, $10, nz;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            mov.b32 {$4, $5}, t2;
+            mov.b32 {$6, $7}, t3;
+            }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+        args=[words, neg_offset2, scale2],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
+               tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _planes_ptx_fp16(words, neg_offset2, scale2):
+    """`_planes_ptx_bf16` for fp16 (MAGIC 1024)."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+            .reg .b32 t0, t1, t2, t3, u, one, nz;
+            mov.b32 one, 0x3C003C00;
+            mov.b32 nz, 0x80008000;
+            shr.u32 u, $8, 4;
+            prmt.b32 t0, $8, u, 0x0400;
+            prmt.b32 t1, $8, u, 0x0501;
+            prmt.b32 t2, $8, u, 0x0602;
+            prmt.b32 t3, $8, u, 0x0703;
+            lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t2, t2, 0x000F000F, 0x64006400, 0xEA;
+            lop3.b32 t3, t3, 0x000F000F, 0x64006400, 0xEA;
+            fma.rn.f16x2 t0, t0, one, $9;
+            fma.rn.f16x2 t1, t1, one, $9;
+            fma.rn.f16x2 t2, t2, one, $9;
+            fma.rn.f16x2 t3, t3, one, $9;
+            fma.rn.f16x2 t0, t0, $10, nz;
+            fma.rn.f16x2 t1, t1, $10, nz;
+            fma.rn.f16x2 t2, t2, $10, nz;
+            fma.rn.f16x2 t3, t3, $10, nz;
+            mov.b32 {$0, $1}, t0;
+            mov.b32 {$2, $3}, t1;
+            mov.b32 {$4, $5}, t2;
+            mov.b32 {$6, $7}, t3;
+            }""",
+        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
+        args=[words, neg_offset2, scale2],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
+               tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _plane(words, j: tl.constexpr, off, s, DTYPE: tl.constexpr):
+    """Nibble plane j of `words` as (nibble - off) * s in float32, rounded to DTYPE (any scales)."""
+    return ((((words >> (4 * j)) & 0xF).to(tl.float32) - off[:, None]) * s[:, None]).to(DTYPE)
+
+
+@triton.jit
+def _dequant_planes(
+    w_ptrs,  # [BLOCK_N, BLOCK_K // 8] pointers to packed words
+    word_mask,  # [BLOCK_K // 8] (unused when EVEN_K)
+    s_ptrs,  # [BLOCK_N] scales of this K step's group
+    z_ptrs,  # [BLOCK_N] zero points (HAS_ZP)
+    BLOCK_K: tl.constexpr,
+    HAS_ZP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DTYPE: tl.constexpr,  # the activations' (bf16 / fp16)
+    PTX: tl.constexpr,
+):
+    """(q - zero_point) * scale as DTYPE [BLOCK_N, BLOCK_K], equal to `_dequant_f32` rounded to DTYPE
+    (with PTX: for scales exact in DTYPE). The eight planes (nibble j of every word: columns 8c + j)
+    are made apart and joined three times, so that no word is shifted by a per-column amount."""
+    if EVEN_K:
+        words = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        words = tl.load(w_ptrs, mask=word_mask[None, :], other=0, eviction_policy="evict_first")
+    s = tl.load(s_ptrs).to(tl.float32)
+    if HAS_ZP:
+        off = 8.0 + tl.load(z_ptrs).to(tl.float32)
+    else:
+        off = tl.zeros_like(s) + 8.0
+    if PTX:
+        if DTYPE == tl.float16:
+            magic = 1024.0
+        else:
+            magic = 128.0
+        neg_offset2 = _pair_bits(-(magic + off), DTYPE)[:, None]
+        scale2 = _pair_bits(s, DTYPE)[:, None]
+        if DTYPE == tl.float16:
+            p0, p1, p2, p3, p4, p5, p6, p7 = _planes_ptx_fp16(words, neg_offset2, scale2)
+        else:
+            p0, p1, p2, p3, p4, p5, p6, p7 = _planes_ptx_bf16(words, neg_offset2, scale2)
+    else:
+        p0 = _plane(words, 0, off, s, DTYPE)
+        p1 = _plane(words, 1, off, s, DTYPE)
+        p2 = _plane(words, 2, off, s, DTYPE)
+        p3 = _plane(words, 3, off, s, DTYPE)
+        p4 = _plane(words, 4, off, s, DTYPE)
+        p5 = _plane(words, 5, off, s, DTYPE)
+        p6 = _plane(words, 6, off, s, DTYPE)
+        p7 = _plane(words, 7, off, s, DTYPE)
+    # join's new axis is the last: the innermost joins pick bit 2 of j, the outermost bit 0, so that
+    # the reshape puts plane j of word c at column 8c + j
+    w = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    return tl.reshape(w, (words.shape[0], BLOCK_K))
 
 
 @triton.jit

@@ -27,7 +27,9 @@ from mllmd_kernels.w4a16_dequant import (
     SCALE_DTYPES,
     _check_mma_order,
     _dequant_f32,
+    _dequant_planes,
     _word_offsets,
+    dequant_mode,
     dequantize_int4_ref,
 )
 from mllmd_kernels.w4a16_gemv import _w4a16_gemv_kernel
@@ -83,6 +85,8 @@ def _w4a16_decode_kernel(
     EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     MMA_VEC: tl.constexpr = 0,  # w_packed in w4a16_mma.tile_order (0: row-major)
+    DEQUANT: tl.constexpr = 0,  # w4a16_dequant.dequant_mode
+    GROUP_STEPS: tl.constexpr = 0,  # K steps per group (GROUP // BLOCK_K); 0: channel-wise
 ):
     """Skinny (2 <= M <= 64): W_tile @ x_tile^T on tensor cores, one K split per program along axis 1."""
     pdl_sync(USE_PDL)
@@ -98,11 +102,18 @@ def _w4a16_decode_kernel(
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_start + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, k_len, BLOCK_K):
-        g = (k_start + k0) // GROUP
+        if GROUP_STEPS == 0:  # channel-wise
+            g = 0
+        else:
+            g = ((k_start + k0) // BLOCK_K) // GROUP_STEPS  # constexpr divisors: no division in the loop
         word_mask = (k_start + k0) // 8 + offs_w < KW
-        f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                         BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
-        w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
+        if DEQUANT == 0:  # DEQUANT_F32
+            f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                             BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
+            w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
+        else:  # the same bits, built from the nibble planes
+            w = _dequant_planes(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg, BLOCK_K, HAS_ZP,
+                                EVEN_K, x_ptr.dtype.element_ty, DEQUANT == 2)  # 2: DEQUANT_PLANES_PTX  # fmt: skip
         if EVEN_K:
             x = tl.load(x_ptrs)
         else:
@@ -158,6 +169,8 @@ def _w4a16_gemm_kernel(
     DOT_F32: tl.constexpr,
     EVEN_K: tl.constexpr,
     MMA_VEC: tl.constexpr = 0,  # w_packed in w4a16_mma.tile_order (0: row-major)
+    DEQUANT: tl.constexpr = 0,  # w4a16_dequant.dequant_mode
+    GROUP_STEPS: tl.constexpr = 0,  # K steps per group (GROUP // BLOCK_K); 0: channel-wise
 ):
     """Prefill: acc[BLOCK_M, BLOCK_N] = x_tile @ dequant(W_tile)^T, tiles swizzled by GROUP_M."""
     offs_m, offs_n, rows_m, rows_n = swizzled_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -169,11 +182,18 @@ def _w4a16_gemm_kernel(
     z_rows = z_ptr + rows_n * stride_zn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP
+        if GROUP_STEPS == 0:  # channel-wise
+            g = 0
+        else:
+            g = (k0 // BLOCK_K) // GROUP_STEPS
         word_mask = k0 // 8 + offs_w < KW
-        f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                         BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
-        w = f.to(x_ptr.dtype.element_ty)
+        if DEQUANT == 0:  # DEQUANT_F32
+            f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
+                             BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
+            w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
+        else:  # the same bits, built from the nibble planes
+            w = _dequant_planes(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg, BLOCK_K, HAS_ZP,
+                                EVEN_K, x_ptr.dtype.element_ty, DEQUANT == 2)  # 2: DEQUANT_PLANES_PTX  # fmt: skip
         if EVEN_K:
             x = tl.load(x_ptrs)
         else:
@@ -205,6 +225,7 @@ def w4a16_gemm(
     config: W4A16Config | None = None,
     splitk_counters: torch.Tensor | None = None,  # int32 zeros, >= splitk_counter_len(N) (this layer's own)
     mma_vec: int = 0,  # w_packed in w4a16_mma.tile_order(w, mma_vec) (0: row-major as stored)
+    exact_scales: bool = False,  # every scale is a value of x's dtype (w4a16_dequant.scales_exact_in)
 ) -> torch.Tensor:
     """y = x @ dequant(W)^T (+ bias) -> [M, N] in x's dtype, float32 accumulation; int4 unpacked in-kernel.
 
@@ -213,7 +234,10 @@ def w4a16_gemm(
 
     With `splitk_counters` a split-K launch reduces its own partials (the last program of each tile
     adds them) instead of launching `splitk_reduce`. The counters return to 0 after every
-    launch; two launches must not share them at the same time (one set per layer, one stream)."""
+    launch; two launches must not share them at the same time (one set per layer, one stream).
+
+    With `exact_scales` the tensor-core tilings dequantize in x's dtype from the nibble planes
+    (`w4a16_dequant.dequant_mode`): the same weights, fewer instructions."""
     assert x.dim() == 2 and x.stride(1) == 1 and w_packed.stride(1) == 1, (
         "w4a16_gemm needs K-contiguous x and w_packed"
     )
@@ -255,6 +279,7 @@ def w4a16_gemm(
             x, w_packed, w_scale, zp, bias_arg, out, *common, out.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m, HAS_ZP=has_zp,
             HAS_BIAS=has_bias, DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, MMA_VEC=mma_vec,
+            DEQUANT=dequant_mode(x, exact_scales), GROUP_STEPS=0 if groups == 1 else group // bk,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return out
@@ -287,8 +312,8 @@ def w4a16_gemm(
             x, w_packed, w_scale, zp, bias_arg, out, part, locks, *common, out.stride(0), k_per_split, split,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, HAS_ZP=has_zp,
             HAS_BIAS=has_bias and (split == 1 or serial), IS_SPLIT=split > 1, SERIAL=serial,
-            DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, MMA_VEC=mma_vec,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
+            DOT_F32=dot_in_fp32(x.dtype), EVEN_K=even_k, MMA_VEC=mma_vec, DEQUANT=dequant_mode(x, exact_scales),
+            GROUP_STEPS=0 if groups == 1 else group // bk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
         )  # fmt: skip
     if split > 1 and not serial:
         splitk_reduce(part, out, bias)

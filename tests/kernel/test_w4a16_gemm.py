@@ -341,3 +341,55 @@ def test_w4a16_paths_read_mma_tile_order(m: int, n: int, k: int, group: int | No
     deq = w4a16_dequantize(tiled, scale, zp, k, torch.float32, mma_vec=vec)
     assert torch.equal(deq, w4a16_dequantize(packed, scale, zp, k, torch.float32))
     assert torch.equal(mma.row_order(tiled, vec), packed)
+
+
+# (M, N, K, group or None, asymmetric, tiling or None): the skinny and gemm tilings, which take the
+# nibble planes with exact scales; channel-wise K off a whole word; a partial last K step.
+PLANES = [
+    (2, 40, 256, 64, True, None),
+    (13, 50, 224, 32, False, W4A16Config("skinny", 16, 16, 32, 1, 3, 4, 2)),
+    (45, 50, 256, 128, True, W4A16Config("gemm", 16, 32, 32, 2, 1, 4, 2)),
+    (70, 24, 100, None, True, None),
+    (100, 72, 256, 128, False, None),
+]
+PLANES_GPU = [(48, 4096, 4096, 128, False, None), (200, 6144, 4096, 128, True, None), (2048, 4096, 12288, 32, False, None)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k", "group", "asym", "cfg"), PLANES + (PLANES_GPU if on_gpu() else []))
+def test_nibble_planes_give_the_float32_paths_bits(
+    m: int, n: int, k: int, group: int | None, asym: bool, cfg: W4A16Config | None, dtype: torch.dtype,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """exact_scales: the tensor-core tilings build the weight tile from its nibble planes in x's dtype
+    (on the GPU in packed 16-bit PTX arithmetic, under the interpreter in Triton ops): the same
+    products, bit for bit, as the float32 dequantization; and the column order matters (a tile built
+    in the wrong order would not give them)."""
+    from mllmd_kernels.w4a16_dequant import DEQUANT_F32, dequant_mode, scales_exact_in
+
+    g = torch.Generator().manual_seed(m * 17 + n + k)
+    packed, scale, zp = make_weights(n, k, group, asym, g)
+    scale = scale.to(dtype).float()  # a 16-bit checkpoint's scales, widened as the layer keeps them
+    assert scales_exact_in(scale, dtype)
+    x = randn(m, k, dtype=dtype, device=DEVICE, gen=g)
+    assert dequant_mode(x, True) == DEQUANT_F32  # MLLMD_W4A16_PLANES unset: off by default
+    monkeypatch.setenv("MLLMD_W4A16_PLANES", "1")
+    assert dequant_mode(x, True) != DEQUANT_F32 and dequant_mode(x, False) == DEQUANT_F32
+    out = poisoned((m, n), dtype, DEVICE)
+    w4a16_gemm(x, packed, scale, zp, out=out, config=cfg, exact_scales=True)
+    assert torch.equal(out, w4a16_gemm(x, packed, scale, zp, config=cfg))
+    assert rel_err(out, w4a16_gemm_ref(x.float(), packed, scale, zp)) < REL_TOL[dtype]
+
+
+def test_scales_exact_in_names_the_dtypes_whose_values_the_scales_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mllmd_kernels.w4a16_dequant import dequant_mode, scales_exact_in
+
+    monkeypatch.setenv("MLLMD_W4A16_PLANES", "1")
+    bf16_values = torch.tensor([[0.0078125, 3.0], [1.5, 2.0**-20]])
+    assert scales_exact_in(bf16_values, torch.bfloat16) and scales_exact_in(bf16_values.t(), torch.bfloat16)
+    assert not scales_exact_in(bf16_values + 2.0**-12, torch.bfloat16)
+    assert scales_exact_in(torch.tensor([[1 + 2.0**-9]]), torch.float16)
+    assert not scales_exact_in(torch.tensor([[1 + 2.0**-9]]), torch.bfloat16)
+    assert not scales_exact_in(torch.tensor([[1e-6]]), torch.float16)  # below fp16's normal range: rounded
+    assert not scales_exact_in(bf16_values, torch.float32)
+    assert dequant_mode(torch.zeros(2, 8), True) == 0  # float32 activations keep the float32 path

@@ -218,6 +218,36 @@ def test_w4a16_kernel_keeps_float32_scales(variant: str) -> None:
     assert torch.equal(layer.weight_scale.cpu(), loaded)
 
 
+@needs_kernels
+@pytest.mark.parametrize("variant", ["g128", "channel_asym"])
+def test_w4a16_layer_takes_the_nibble_planes_where_its_scales_are_values_of_its_dtype(
+    variant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's bf16 scales (exact in the layer's dtype) let the tensor-core tilings dequantize
+    from the nibble planes, with the float32 path's outputs bit for bit; scales that bf16 cannot hold
+    keep the float32 path (MLLMD_W4A16_PLANES=1)."""
+    monkeypatch.setenv("MLLMD_W4A16_PLANES", "1")
+    scheme, k = W4A16_SCHEMES[variant], 256
+    layer = _random_layer(scheme, k, {"gate": 40, "up": 24}, False, torch.bfloat16, 4)
+    wide = layer.weight_scale.data.clone()
+    layer.weight_scale.data = wide.to(torch.bfloat16).float()
+    _prepare(layer, TritonW4A16Kernel)
+    assert layer.quant_method is not None
+    kernel = layer.quant_method.kernel
+    assert isinstance(kernel, TritonW4A16Kernel) and kernel.exact_scales
+    g = torch.Generator().manual_seed(4)
+    for rows in (5, 70):
+        x = torch.randn(rows, k, generator=g).to(dtype=torch.bfloat16, device=DEVICE)
+        planes = layer(x)
+        kernel.exact_scales = False
+        assert torch.equal(planes, layer(x)), rows
+        kernel.exact_scales = True
+    other = _random_layer(scheme, k, {"gate": 40, "up": 24}, False, torch.bfloat16, 4)
+    other.weight_scale.data = wide + 2.0**-30  # not a bf16 value
+    _prepare(other, TritonW4A16Kernel)
+    assert other.quant_method is not None and not other.quant_method.kernel.exact_scales
+
+
 def _checkpoint_layer(
     model_dir: Any, prefix: str, shards: dict[str, int], k: int, dtype: torch.dtype
 ) -> Linear:

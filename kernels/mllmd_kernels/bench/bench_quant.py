@@ -262,6 +262,24 @@ def _case(name: str, m: int, w: dict[str, Any], g: torch.Generator, copy_gbps: f
         t = time_calls(lambda i: w4a16_gemm(xs[i], w4t[i % sets4], s4[i % sets4], splitk_counters=counters, mma_vec=vec),
                        sets)  # fmt: skip
         emit(_line("w4a16_tile_order", name, m, n, k, t, t16, n * k // 2 + n * (k // GROUP) * 4, copy_gbps))
+    if m > 1:  # the tensor-core tilings on the nibble planes (scales that are bf16 values, as a checkpoint's)
+        s4x = [s.to(bf).float() for s in s4]
+        ref4x = w4a16_gemm_ref(xs[0], w4[0], s4x[0])
+
+        def planes(i: int, c: W4A16Config | None = None) -> torch.Tensor:
+            return w4a16_gemm(xs[i], w4[i % sets4], s4x[i % sets4], config=c, splitk_counters=counters,
+                              exact_scales=True)  # fmt: skip
+
+        err = _rel(planes(0), ref4x)
+        t = time_calls(planes, sets)
+        extra = (_sweep("w4a16_planes", name, m, t, cfg4, _w4a16_candidates(m, n, k), planes, sets,
+                        lambda out: _rel(out, ref4x)) if "w4a16_planes" in sweep else {})  # fmt: skip
+        emit(_line("w4a16_planes", name, m, n, k, t, t16, w4_bytes, copy_gbps, rel_err=err, group=GROUP,
+                   config=cfg4.__dict__, **extra))  # fmt: skip
+        if have_mma:
+            t = time_calls(lambda i: w4a16_gemm(xs[i], w4t[i % sets4], s4x[i % sets4], splitk_counters=counters,
+                                                mma_vec=vec, exact_scales=True), sets)  # fmt: skip
+            emit(_line("w4a16_planes_tile_order", name, m, n, k, t, t16, w4_bytes, copy_gbps))
     if m <= mma.MAX_ROWS and have_mma:  # the CUDA tensor-core kernel (what CudaW4A16Kernel runs up to mma.MAX_ROWS rows)
 
         def run_mma(i: int, c: mma.MmaConfig | None = None) -> torch.Tensor:
@@ -350,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--m", type=int, nargs="+", default=MS)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
-    p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16", "w4a16_mma"], default=None,
+    p.add_argument("--sweep", nargs="*", choices=["int8", "w4a16", "w4a16_planes", "w4a16_mma"], default=None,
                    help="also time a list of tilings per case (of these kernels; all when none named)")
     p.add_argument("--w4a16-tuned-out", default=None,
                    help="write the W4A16 sweep's best one-row tiling per (N, K) here (MLLMD_W4A16_TUNED's format)")
