@@ -9,7 +9,7 @@ they call it (once per process for most, through their caches). Unset and empty 
 | MLLMD_INT8_TMA_MIN_ROWS | 1024 | rows from which sm90 runs the W8A8 prefill GEMM with TMA loads (a large value turns it off) | `int8_config.TMA_MIN_ROWS` (at import) |
 | MLLMD_W4A16_TUNED | unset | a JSON file of one-row W4A16 gemv tilings by (N, K), as `bench_quant --w4a16-tuned-out` writes | `w4a16_config.tuned_gemv_configs` (once) |
 | MLLMD_W4A16_MMA_TUNED | unset | a JSON file of CUDA W4A16 launch splits {"N,K": [split, warps]} | `w4a16_mma.tuned_configs` (once) |
-| MLLMD_W4A16_PLANES | off | `1`: the W4A16 tensor-core tilings (2+ rows) dequantize from the nibble planes in packed 16-bit PTX where the scales are values of the activations' dtype (the same bits; off until timed on a GPU) | `w4a16_dequant.dequant_mode` (every launch) |
+| MLLMD_W4A16_PLANES | on | `0`: the W4A16 tensor-core tilings (2+ rows) dequantize in float32 even where the scales are values of the activations' dtype (where they are, the default builds the weight tile from its nibble planes in packed 16-bit PTX: the same bits, faster) | `w4a16_dequant.dequant_mode` (every launch) |
 | MLLMD_CUDA_KERNELS | auto | `0` / `off` / `false` / `no`: never build or use the CUDA W4A16 kernel | `w4a16_mma` (once per architecture) |
 | MLLMD_NVCC | unset | the CUDA compiler to build it with (before $CUDA_HOME/bin/nvcc, PATH, /usr/local/cuda) | `cuda_build.find_nvcc` |
 | MLLMD_KERNEL_CACHE | unset | where built CUDA libraries are kept (else $XDG_CACHE_HOME/mllmd/cuda) | `cuda_build.cache_dir` |
@@ -49,8 +49,8 @@ def w4a16_mma_tuned_path() -> str | None:
 
 
 def w4a16_planes() -> bool:
-    """MLLMD_W4A16_PLANES: `1` lets the W4A16 tensor-core tilings dequantize from the nibble planes."""
-    return os.environ.get("MLLMD_W4A16_PLANES") == "1"
+    """MLLMD_W4A16_PLANES: the W4A16 tensor-core tilings may dequantize from the nibble planes, unless `0`."""
+    return os.environ.get("MLLMD_W4A16_PLANES", "1") != "0"
 
 
 def cuda_kernels_enabled() -> bool:

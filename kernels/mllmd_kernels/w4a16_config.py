@@ -6,7 +6,8 @@ dequantized + cuBLAS than in the fused kernel.
   with W dequantized to the activation dtype (x padded to 16+ rows);
 * "gemm" (prefill, `w4a16_gemm`): acc[BLOCK_M, BLOCK_N] = x_tile @ W_tile^T with a GROUP_M swizzle.
 "gemv" and "skinny" split K until every SM has a few tiles (`splitk`).
-Large M (`prefers_dequant`: 256 rows and up, or 128 where the fused tiling has too few tiles):
+Large M (`prefers_dequant`: 256 rows and up (1,024 on the nibble planes), or 128 where the fused
+tiling has too few tiles):
 `w4a16_dequantize` writes the weight once in the activation dtype and cuBLAS multiplies; a fused
 tile would otherwise dequantize every weight tile once per M tile.
 """
@@ -103,19 +104,22 @@ def pick_w4a16_config(m: int, n: int, k: int, group: int, num_sms: int, smem: in
 # Where dequantizing W once and calling cuBLAS beats the fused "gemm" tiling (`prefers_dequant`): the
 # fused kernel dequantizes every weight tile once per M tile, while dequantizing is one pass over the
 # weights (N*K/2 bytes read, N*K*2 written). Between the two thresholds the fused tiling wins only
-# where it has enough tiles to fill the GPU (bench_quant --m 128 256; NOTES.md).
+# where it has enough tiles to fill the GPU (bench_quant --m 128 256 512 2048; NOTES.md). On the
+# nibble planes (`w4a16_dequant.dequant_mode`) the fused tiling is faster, and with two tiles an SM it
+# still beats dequantizing at 512 rows (H100: gate/up 218 against 253 us), not at 2,048 (927 / 666).
 DEQUANT_MIN_ROWS = 128  # below: always the fused kernels
 DEQUANT_ALWAYS_ROWS = 256  # from here: always dequantize + cuBLAS
+DEQUANT_ALWAYS_ROWS_PLANES = 1024  # the same, for the fused tiling on the nibble planes
 
 
-def prefers_dequant(x: torch.Tensor, n: int, group: int) -> bool:
-    """x [M, K] @ W[n, K]^T is faster dequantized + cuBLAS than in the fused kernel: from
-    DEQUANT_ALWAYS_ROWS rows, and from DEQUANT_MIN_ROWS where the fused tiling has fewer than two
-    output tiles per SM of x's device."""
+def prefers_dequant(x: torch.Tensor, n: int, group: int, planes: bool = False) -> bool:
+    """x [M, K] @ W[n, K]^T is faster dequantized + cuBLAS than in the fused kernel (on the nibble
+    planes where `planes`): from DEQUANT_ALWAYS_ROWS (_PLANES) rows, and from DEQUANT_MIN_ROWS where
+    the fused tiling has fewer than two output tiles per SM of x's device."""
     m, k = x.shape
     if m < DEQUANT_MIN_ROWS:
         return False
-    if m >= DEQUANT_ALWAYS_ROWS:
+    if m >= (DEQUANT_ALWAYS_ROWS_PLANES if planes else DEQUANT_ALWAYS_ROWS):
         return True
     sms = sm_count_for(x)
     cfg = pick_w4a16_config(m, n, k, group, sms, max_shared_memory(x))

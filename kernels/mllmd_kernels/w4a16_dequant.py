@@ -102,9 +102,9 @@ DEQUANT_F32, DEQUANT_PLANES, DEQUANT_PLANES_PTX = 0, 1, 2
 
 def dequant_mode(x: torch.Tensor, exact_scales: bool) -> int:
     """How the tensor-core tilings dequantize for activations like `x`, given whether the scales hold
-    values exact in x's dtype (`scales_exact_in`): the nibble planes only with MLLMD_W4A16_PLANES=1
-    (not yet timed on a GPU), a 16-bit x and exact scales (else the float32 path, which rounds once as
-    the reference does); in PTX where the kernel is compiled, in Triton ops under the interpreter."""
+    values exact in x's dtype (`scales_exact_in`): the nibble planes for a 16-bit x and exact scales
+    (else, or with MLLMD_W4A16_PLANES=0, the float32 path, which rounds once as the reference does);
+    in PTX where the kernel is compiled, in Triton ops under the interpreter."""
     if not (exact_scales and knobs.w4a16_planes()) or x.dtype not in (torch.bfloat16, torch.float16):
         return DEQUANT_F32
     return DEQUANT_PLANES if interpreting() else DEQUANT_PLANES_PTX

@@ -198,14 +198,20 @@ def test_w4a16_gemm_float32_activations() -> None:
 
 
 def test_prefill_dequantizes_where_the_fused_tiling_is_slower() -> None:
-    """Below 128 rows always the fused kernels, from 256 always dequantize + cuBLAS, in between the
-    fused tiling only where it has two output tiles or more per SM (a CPU tensor counts 16 SMs)."""
+    """Below 128 rows always the fused kernels, from 256 always dequantize + cuBLAS (1,024 on the
+    nibble planes), in between the fused tiling only where it has two output tiles or more per SM (a
+    CPU tensor counts 16 SMs)."""
     x = torch.empty(0, 4096)
     assert not prefers_dequant(x.new_empty(127, 4096), 24576, 128)
     assert prefers_dequant(x.new_empty(256, 4096), 24576, 128)
     assert prefers_dequant(x.new_empty(128, 4096), 24, 128)  # 2 x 1 tiles
     assert not prefers_dequant(x.new_empty(128, 4096), 24576, 128)  # 2 x 192 tiles
     assert prefers_dequant(x.new_empty(255, 4096), 1024, 4096)  # channel-wise, 2 x 8 tiles
+    # On the nibble planes the tile rule holds up to 1,024 rows
+    assert not prefers_dequant(x.new_empty(512, 4096), 24576, 128, planes=True)  # 4 x 192 tiles
+    assert prefers_dequant(x.new_empty(512, 4096), 24576, 128)
+    assert prefers_dequant(x.new_empty(512, 4096), 24, 128, planes=True)  # 4 x 1 tiles
+    assert prefers_dequant(x.new_empty(1024, 4096), 24576, 128, planes=True)
 
 
 def test_w4a16_gemm_empty_batch() -> None:
@@ -372,19 +378,20 @@ def test_nibble_planes_give_the_float32_paths_bits(
     scale = scale.to(dtype).float()  # a 16-bit checkpoint's scales, widened as the layer keeps them
     assert scales_exact_in(scale, dtype)
     x = randn(m, k, dtype=dtype, device=DEVICE, gen=g)
-    assert dequant_mode(x, True) == DEQUANT_F32  # MLLMD_W4A16_PLANES unset: off by default
-    monkeypatch.setenv("MLLMD_W4A16_PLANES", "1")
+    monkeypatch.delenv("MLLMD_W4A16_PLANES", raising=False)  # on by default
     assert dequant_mode(x, True) != DEQUANT_F32 and dequant_mode(x, False) == DEQUANT_F32
     out = poisoned((m, n), dtype, DEVICE)
     w4a16_gemm(x, packed, scale, zp, out=out, config=cfg, exact_scales=True)
     assert torch.equal(out, w4a16_gemm(x, packed, scale, zp, config=cfg))
     assert rel_err(out, w4a16_gemm_ref(x.float(), packed, scale, zp)) < REL_TOL[dtype]
+    monkeypatch.setenv("MLLMD_W4A16_PLANES", "0")  # the A/B switch: the float32 path
+    assert dequant_mode(x, True) == DEQUANT_F32
 
 
 def test_scales_exact_in_names_the_dtypes_whose_values_the_scales_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     from mllmd_kernels.w4a16_dequant import dequant_mode, scales_exact_in
 
-    monkeypatch.setenv("MLLMD_W4A16_PLANES", "1")
+    monkeypatch.delenv("MLLMD_W4A16_PLANES", raising=False)
     bf16_values = torch.tensor([[0.0078125, 3.0], [1.5, 2.0**-20]])
     assert scales_exact_in(bf16_values, torch.bfloat16) and scales_exact_in(bf16_values.t(), torch.bfloat16)
     assert not scales_exact_in(bf16_values + 2.0**-12, torch.bfloat16)

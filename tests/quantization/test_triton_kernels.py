@@ -225,8 +225,8 @@ def test_w4a16_layer_takes_the_nibble_planes_where_its_scales_are_values_of_its_
 ) -> None:
     """A checkpoint's bf16 scales (exact in the layer's dtype) let the tensor-core tilings dequantize
     from the nibble planes, with the float32 path's outputs bit for bit; scales that bf16 cannot hold
-    keep the float32 path (MLLMD_W4A16_PLANES=1)."""
-    monkeypatch.setenv("MLLMD_W4A16_PLANES", "1")
+    keep the float32 path."""
+    monkeypatch.delenv("MLLMD_W4A16_PLANES", raising=False)
     scheme, k = W4A16_SCHEMES[variant], 256
     layer = _random_layer(scheme, k, {"gate": 40, "up": 24}, False, torch.bfloat16, 4)
     wide = layer.weight_scale.data.clone()

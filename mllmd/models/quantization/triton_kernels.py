@@ -42,6 +42,7 @@ from mllmd_kernels import (
     w4a16_gemm,
     w8a8_linear,
 )
+from mllmd_kernels.w4a16_dequant import DEQUANT_F32, dequant_mode
 from torch import nn
 
 from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
@@ -139,7 +140,9 @@ class TritonW4A16Kernel(QuantLinearKernel):
         x2 = _rows(x)
         zero_point = getattr(layer, "weight_zero_point", None)
         group = layer.in_features // layer.weight_scale.shape[1]
-        if prefers_dequant(x2, layer.weight_packed.shape[0], group):  # prefill: dequantize once, then cuBLAS
+        exact = self.exact_scales and x2.dtype == layer.params_dtype
+        planes = dequant_mode(x2, exact) != DEQUANT_F32
+        if prefers_dequant(x2, layer.weight_packed.shape[0], group, planes):  # prefill: dequantize once, then cuBLAS
             w = w4a16_dequantize(
                 layer.weight_packed, layer.weight_scale, zero_point, layer.in_features, x2.dtype, mma_vec=self.mma_vec
             )
@@ -147,7 +150,7 @@ class TritonW4A16Kernel(QuantLinearKernel):
             return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
         out = w4a16_gemm(
             x2, layer.weight_packed, layer.weight_scale, zero_point, bias, splitk_counters=layer.splitk_counters,
-            mma_vec=self.mma_vec, exact_scales=self.exact_scales and x2.dtype == layer.params_dtype,
+            mma_vec=self.mma_vec, exact_scales=exact,
         )
         return out.reshape(*x.shape[:-1], layer.weight_packed.shape[0])
 
