@@ -127,87 +127,46 @@ def _pair_bits(v, DTYPE: tl.constexpr):
     return b | (b << 16)
 
 
+def _planes_asm(magic2: int, one2: int, fma: str) -> str:
+    """PTX for `_planes_ptx`: the eight nibble planes of one int32 word ($8) as 16-bit floats ($0..$7),
+    given -(MAGIC + 8 + zero point) ($9) and the scale ($10) as packed pairs. The bytes of the word and
+    of the word shifted by 4 are paired (PRMT) so that nibbles 2i and 2i + 1 sit 16 bits apart, one LOP3
+    ORs both into the mantissa of MAGIC (`magic2`: 128 in bf16, 1024 in fp16, twice: exact), one packed
+    FMA subtracts the offset (an exact small integer), one multiplies by the scale (one rounding, as the
+    reference's); each output pair is in the order the planes' join wants."""
+    pairs = "".join(f"            prmt.b32 t{i}, $8, u, 0x0{4 + i}0{i};\n" for i in range(4))
+    lops = "".join(f"            lop3.b32 t{i}, t{i}, 0x000F000F, 0x{magic2:08X}, 0xEA;\n" for i in range(4))
+    subs = "".join(f"            {fma} t{i}, t{i}, one, $9;\n" for i in range(4))
+    muls = "".join(f"            {fma} t{i}, t{i}, $10, nz;\n" for i in range(4))
+    outs = "".join(f"            mov.b32 {{${2 * i}, ${2 * i + 1}}}, t{i};\n" for i in range(4))
+    return (
+        "{\n            .reg .b32 t0, t1, t2, t3, u, one, nz;\n"
+        f"            mov.b32 one, 0x{one2:08X};\n            mov.b32 nz, 0x80008000;\n"
+        f"            shr.u32 u, $8, 4;\n{pairs}{lops}{subs}{muls}{outs}            }}"
+    )
+
+
+_PLANES_BF16 = tl.constexpr(_planes_asm(0x43004300, 0x3F803F80, "fma.rn.bf16x2"))
+_PLANES_FP16 = tl.constexpr(_planes_asm(0x64006400, 0x3C003C00, "fma.rn.f16x2"))
+_PLANES_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")  # eight 16-bit outputs, three words in
+_PLANES_BF16_OUT = tl.constexpr((tl.bfloat16,) * 8)
+_PLANES_FP16_OUT = tl.constexpr((tl.float16,) * 8)
+
+
 @triton.jit
 def _planes_ptx_bf16(words, neg_offset2, scale2):
     """The eight nibble planes of int32 `words` as bf16: plane j = (nibble j + MAGIC - (MAGIC + 8 +
-    zero point)) * scale. The bytes of the word and of the word shifted by 4 are paired (PRMT) so that
-    nibbles 2i and 2i + 1 sit 16 bits apart, then one LOP3 ORs both into the mantissa of MAGIC (128 in
-    bf16, 1024 in fp16: exact), one packed FMA subtracts the offset (an exact small integer), one
-    multiplies by the scale (one rounding, as the reference's). `neg_offset2` / `scale2`: -(MAGIC + 8 +
-    zero point) and the scale as packed pairs; outputs in plane order, each pair as the join wants it."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-            .reg .b32 t0, t1, t2, t3, u, one, nz;
-            mov.b32 one, 0x3F803F80;
-            mov.b32 nz, 0x80008000;
-            shr.u32 u, $8, 4;
-            prmt.b32 t0, $8, u, 0x0400;
-            prmt.b32 t1, $8, u, 0x0501;
-            prmt.b32 t2, $8, u, 0x0602;
-            prmt.b32 t3, $8, u, 0x0703;
-            lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 t2, t2, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 t3, t3, 0x000F000F, 0x43004300, 0xEA;
-            fma.rn.bf16x2 t0, t0, one, $9;
-            fma.rn.bf16x2 t1, t1, one, $9;
-            fma.rn.bf16x2 t2, t2, one, $9;
-            fma.rn.bf16x2 t3, t3, one, $9;
-            fma.rn.bf16x2 t0, t0, $10, nz;
-            fma.rn.bf16x2 t1, t1, $10, nz;
-            fma.rn.bf16x2 t2, t2, $10, nz;
-            fma.rn.bf16x2 t3, t3, $10, nz;
-            mov.b32 {$0, $1}, t0;
-            mov.b32 {$2, $3}, t1;
-            mov.b32 {$4, $5}, t2;
-            mov.b32 {$6, $7}, t3;
-            }""",
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-        args=[words, neg_offset2, scale2],
-        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16,
-               tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
-        is_pure=True,
-        pack=1,
-    )
+    zero point)) * scale, by `_planes_asm`'s PTX. `neg_offset2` / `scale2`: -(MAGIC + 8 + zero point)
+    and the scale as packed pairs."""
+    return tl.inline_asm_elementwise(_PLANES_BF16, _PLANES_CONSTRAINTS, [words, neg_offset2, scale2], _PLANES_BF16_OUT,
+                                     is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
 def _planes_ptx_fp16(words, neg_offset2, scale2):
-    """`_planes_ptx_bf16` for fp16 (MAGIC 1024)."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-            .reg .b32 t0, t1, t2, t3, u, one, nz;
-            mov.b32 one, 0x3C003C00;
-            mov.b32 nz, 0x80008000;
-            shr.u32 u, $8, 4;
-            prmt.b32 t0, $8, u, 0x0400;
-            prmt.b32 t1, $8, u, 0x0501;
-            prmt.b32 t2, $8, u, 0x0602;
-            prmt.b32 t3, $8, u, 0x0703;
-            lop3.b32 t0, t0, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t1, t1, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t2, t2, 0x000F000F, 0x64006400, 0xEA;
-            lop3.b32 t3, t3, 0x000F000F, 0x64006400, 0xEA;
-            fma.rn.f16x2 t0, t0, one, $9;
-            fma.rn.f16x2 t1, t1, one, $9;
-            fma.rn.f16x2 t2, t2, one, $9;
-            fma.rn.f16x2 t3, t3, one, $9;
-            fma.rn.f16x2 t0, t0, $10, nz;
-            fma.rn.f16x2 t1, t1, $10, nz;
-            fma.rn.f16x2 t2, t2, $10, nz;
-            fma.rn.f16x2 t3, t3, $10, nz;
-            mov.b32 {$0, $1}, t0;
-            mov.b32 {$2, $3}, t1;
-            mov.b32 {$4, $5}, t2;
-            mov.b32 {$6, $7}, t3;
-            }""",
-        constraints="=h,=h,=h,=h,=h,=h,=h,=h,r,r,r",
-        args=[words, neg_offset2, scale2],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16,
-               tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
+    """`_planes_ptx_bf16` for fp16."""
+    return tl.inline_asm_elementwise(_PLANES_FP16, _PLANES_CONSTRAINTS, [words, neg_offset2, scale2], _PLANES_FP16_OUT,
+                                     is_pure=True, pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -264,6 +223,21 @@ def _dequant_planes(
     # the reshape puts plane j of word c at column 8c + j
     w = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
     return tl.reshape(w, (words.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _dequant_tile(
+    w_ptrs, word_mask, s_ptrs, z_ptrs, BLOCK_K: tl.constexpr, HAS_ZP: tl.constexpr, EVEN_K: tl.constexpr,
+    DTYPE: tl.constexpr, DEQUANT: tl.constexpr,
+):
+    """The tensor-core tilings' weight tile [BLOCK_N, BLOCK_K] in DTYPE, the reference's dequantized
+    weight: by `_dequant_f32` and a rounding (DEQUANT 0), or from the nibble planes (1: Triton ops, 2:
+    PTX; `dequant_mode`), the same bits."""
+    if DEQUANT == 0:
+        w = _dequant_f32(w_ptrs, word_mask, s_ptrs, z_ptrs, BLOCK_K, HAS_ZP, EVEN_K).to(DTYPE)
+    else:
+        w = _dequant_planes(w_ptrs, word_mask, s_ptrs, z_ptrs, BLOCK_K, HAS_ZP, EVEN_K, DTYPE, DEQUANT == 2)
+    return w
 
 
 @triton.jit

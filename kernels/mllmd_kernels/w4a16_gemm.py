@@ -26,8 +26,7 @@ from mllmd_kernels.w4a16_config import W4A16Config, group_block_k, pick_w4a16_co
 from mllmd_kernels.w4a16_dequant import (
     SCALE_DTYPES,
     _check_mma_order,
-    _dequant_f32,
-    _dequant_planes,
+    _dequant_tile,
     _word_offsets,
     dequant_mode,
     dequantize_int4_ref,
@@ -107,13 +106,8 @@ def _w4a16_decode_kernel(
         else:
             g = ((k_start + k0) // BLOCK_K) // GROUP_STEPS  # constexpr divisors: no division in the loop
         word_mask = (k_start + k0) // 8 + offs_w < KW
-        if DEQUANT == 0:  # DEQUANT_F32
-            f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                             BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
-            w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
-        else:  # the same bits, built from the nibble planes
-            w = _dequant_planes(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg, BLOCK_K, HAS_ZP,
-                                EVEN_K, x_ptr.dtype.element_ty, DEQUANT == 2)  # 2: DEQUANT_PLANES_PTX  # fmt: skip
+        w = _dequant_tile(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg, BLOCK_K, HAS_ZP,
+                          EVEN_K, x_ptr.dtype.element_ty, DEQUANT)  # the reference's dequantized weight  # fmt: skip
         if EVEN_K:
             x = tl.load(x_ptrs)
         else:
@@ -187,13 +181,8 @@ def _w4a16_gemm_kernel(
         else:
             g = (k0 // BLOCK_K) // GROUP_STEPS
         word_mask = k0 // 8 + offs_w < KW
-        if DEQUANT == 0:  # DEQUANT_F32
-            f = _dequant_f32(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg,
-                             BLOCK_K, HAS_ZP, EVEN_K)  # fmt: skip
-            w = f.to(x_ptr.dtype.element_ty)  # the reference's dequantized weight
-        else:  # the same bits, built from the nibble planes
-            w = _dequant_planes(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg, BLOCK_K, HAS_ZP,
-                                EVEN_K, x_ptr.dtype.element_ty, DEQUANT == 2)  # 2: DEQUANT_PLANES_PTX  # fmt: skip
+        w = _dequant_tile(w_ptrs, word_mask, s_rows + g * stride_sg, z_rows + g * stride_zg, BLOCK_K, HAS_ZP,
+                          EVEN_K, x_ptr.dtype.element_ty, DEQUANT)  # the reference's dequantized weight  # fmt: skip
         if EVEN_K:
             x = tl.load(x_ptrs)
         else:
