@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from mllmd_kernels import knobs
-from mllmd_kernels._triton import cdiv, interpreting, tl, triton
+from mllmd_kernels._triton import HAS_TRITON, cdiv, interpreting, tl, triton
 from mllmd_kernels.w4a16_config import group_block_k
 
 # Scale dtypes the kernels read (each widened to float32 on load, so a bf16 scale that holds the
@@ -146,11 +146,12 @@ def _planes_asm(magic2: int, one2: int, fma: str) -> str:
     )
 
 
-_PLANES_BF16 = tl.constexpr(_planes_asm(0x43004300, 0x3F803F80, "fma.rn.bf16x2"))
-_PLANES_FP16 = tl.constexpr(_planes_asm(0x64006400, 0x3C003C00, "fma.rn.f16x2"))
-_PLANES_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")  # eight 16-bit outputs, three words in
-_PLANES_BF16_OUT = tl.constexpr((tl.bfloat16,) * 8)
-_PLANES_FP16_OUT = tl.constexpr((tl.float16,) * 8)
+if HAS_TRITON:  # the kernels' compile-time constants (without Triton the kernels are stubs)
+    _PLANES_BF16 = tl.constexpr(_planes_asm(0x43004300, 0x3F803F80, "fma.rn.bf16x2"))
+    _PLANES_FP16 = tl.constexpr(_planes_asm(0x64006400, 0x3C003C00, "fma.rn.f16x2"))
+    _PLANES_CONSTRAINTS = tl.constexpr("=h,=h,=h,=h,=h,=h,=h,=h,r,r,r")  # eight 16-bit outputs, three words in
+    _PLANES_BF16_OUT = tl.constexpr((tl.bfloat16,) * 8)
+    _PLANES_FP16_OUT = tl.constexpr((tl.float16,) * 8)
 
 
 @triton.jit
