@@ -7,9 +7,9 @@ steps, 3 rounds, median step of each) as loaded, after a 4 GB allocation, after 
 matmuls and 15 s idle (heat), after capturing a plain matmul graph (those four skipped with
 `--no-heat`), after eager prefill steps of every shape the graphs would capture (`--eager-first`: is
 it the capture, or the forwards at new shapes?), after building the prefill graphs up to `--tokens`
-by hand, once they are deleted, and with the cycle collector off. `--bisect` first captures, one case each: a graph of one cuBLAS
-linear at 16 rows (the first MLP's weight), of one Triton RMSNorm at 16 rows, of the model's whole
-16-token step. Each case also times the batch-64 decode graph's replay alone (CUDA events, 20
+by hand, once they are deleted, and with the cycle collector off. `--bisect` first captures, one
+case each: a graph of one cuBLAS linear at 16 rows (the first MLP's weight), of one Triton RMSNorm
+at 16 rows, of the model's whole 16-token step (all kept alive to the end). Each case also times the batch-64 decode graph's replay alone (CUDA events, 20
 replays): a change there is on the GPU, a change only in the step is on the host. One JSON line per
 case. Needs CUDA.
 """

@@ -55,7 +55,9 @@ from mllmd_kernels.sampling import (
 from mllmd_kernels.store_cache import store_cache, store_cache_ref, store_cache_triton
 from mllmd_kernels.w4a16_config import W4A16Config, pick_w4a16_config, prefers_dequant, splitk_counter_len
 from mllmd_kernels.w4a16_dequant import (
+    DEQUANT_F32,
     SCALE_DTYPES,
+    dequant_mode,
     dequantize_int4_ref,
     pack_int4_ref,
     scales_exact_in,
@@ -93,6 +95,7 @@ __all__ = [
     "HAS_TRITON",
     "GemvConfig",
     "Int8GemmConfig",
+    "DEQUANT_F32",
     "SCALE_DTYPES",
     "W4A16Config",
     "decode_attention",
@@ -100,6 +103,7 @@ __all__ = [
     "decode_inputs_ref",
     "decode_attention_ref",
     "decode_num_splits",
+    "dequant_mode",
     "dequantize_int4_ref",
     "extend_attention",
     "extend_attention_ref",

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from mllmd_kernels import (
+    DEQUANT_F32,
+    dequant_mode,
     int8_gemm,
     int8_gemm_silu_mul_amax,
     prefers_dequant,
@@ -42,7 +44,6 @@ from mllmd_kernels import (
     w4a16_gemm,
     w8a8_linear,
 )
-from mllmd_kernels.w4a16_dequant import DEQUANT_F32, dequant_mode
 from torch import nn
 
 from mllmd.models.quantization.config import W4A16, W8A8, LinearScheme
